@@ -1,0 +1,139 @@
+"""The ``kvplug`` command line.
+
+Subcommands defined elsewhere are registered either eagerly with
+``main.add_command(cmd)`` or lazily in `_LAZY_COMMANDS` below, which imports their
+module only when the command is listed or run. A `KVPlugError` raised by any command is
+printed as ``Error: <message>`` with exit status 2 instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import platform
+from dataclasses import asdict
+from typing import Any
+
+import click
+
+from kvplug import __version__
+from kvplug.errors import KVPlugError
+from kvplug.info import COMPONENT_NAMES, Component, probe
+
+
+class KVPlugClickError(click.ClickException):
+    """A kvplug error shown to the user as ``Error: <message>`` (exit status 2)."""
+
+    exit_code = 2
+
+
+class LazyGroup(click.Group):
+    """A group that also offers commands named ``"module:attribute"`` in `lazy_commands`.
+
+    A lazy command's module is imported only when the command is listed or invoked; a
+    command whose module does not exist is not listed.
+    """
+
+    def __init__(self, *args: Any, lazy_commands: dict[str, str] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.lazy_commands = dict(lazy_commands or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        lazy = [name for name, target in self.lazy_commands.items() if _module_exists(target)]
+        return sorted({*super().list_commands(ctx), *lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None or cmd_name not in self.lazy_commands:
+            return command
+        target = self.lazy_commands[cmd_name]
+        if not _module_exists(target):
+            return None
+        module_name, _, attribute = target.partition(":")
+        try:
+            command = getattr(importlib.import_module(module_name), attribute)
+        except Exception as exc:  # the module exists, so this is a bug worth showing
+            raise KVPlugClickError(
+                f"cannot load command {cmd_name!r} from {target}: {exc}"
+            ) from exc
+        if not isinstance(command, click.Command):
+            raise KVPlugClickError(f"{target} is not a click command")
+        return command
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KVPlugError as exc:
+            raise KVPlugClickError(str(exc)) from exc
+
+
+def _module_exists(target: str) -> bool:
+    try:
+        return importlib.util.find_spec(target.partition(":")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# Lazily registered subcommands: name -> "module:attribute". Add new ones here (or call
+# `main.add_command(...)` from code that is imported anyway).
+_LAZY_COMMANDS: dict[str, str] = {
+    "bench": "kvplug.bench:bench",
+    "demo": "kvplug.demo:demo",
+}
+
+
+@click.group(cls=LazyGroup, lazy_commands=_LAZY_COMMANDS)
+@click.version_option(__version__, "--version", prog_name="kvplug", message="%(prog)s %(version)s")
+def main() -> None:
+    """kvplug: cost-aware KV-cache management for vLLM and SGLang."""
+
+
+@main.command(short_help="Show which engines and kernel libraries are installed.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option(
+    "--import",
+    "import_modules",
+    is_flag=True,
+    help="Import each installed component in a subprocess (slow; checks it really loads).",
+)
+@click.argument("names", nargs=-1, metavar="[NAME]...", type=click.Choice(COMPONENT_NAMES))
+def info(as_json: bool, import_modules: bool, names: tuple[str, ...]) -> None:
+    """Show which engines and kernel libraries are installed.
+
+    Give NAMEs (vllm, sglang, torch, triton, flashinfer) to report only those.
+    """
+    components = probe(import_modules=import_modules, names=names or None)
+    if as_json:
+        report = {
+            "kvplug": __version__,
+            "python": platform.python_version(),
+            "components": [asdict(c) for c in components],
+        }
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(f"kvplug {__version__} (Python {platform.python_version()})\n")
+        click.echo(_table(components))
+
+
+def _table(components: list[Component]) -> str:
+    rows = [("component", "version", "importable", "enables")]
+    for c in components:
+        importable = "unchecked" if c.importable is None else ("yes" if c.importable else "no")
+        version = c.version or ("unknown version" if c.installed else "not installed")
+        rows.append((c.name, version, importable, c.enables))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True)) + "  " + row[3]
+        for row in rows
+    ]
+    # "not installed" is already in the version column
+    notes = [f"  {c.name}: {c.note}" for c in components if c.note and c.note != "not installed"]
+    if notes:
+        lines += ["", "notes:", *notes]
+    return "\n".join(lines)
+
+
+# -- registering subcommands from other modules ----------------------------------------
+# Eager registration is `from kvplug.bench import bench; main.add_command(bench)`, but
+# that imports the module on every run; prefer an entry in `_LAZY_COMMANDS` above.

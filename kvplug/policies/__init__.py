@@ -1,0 +1,54 @@
+"""Eviction policies by name.
+
+Policies shipped with kvplug and those other packages declare under the entry-point
+group ``kvplug.policies`` (``name = "package.module:PolicyClass"``) are found by name.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Any
+
+from kvplug.errors import UnknownPolicyError
+from kvplug.policies.base import EvictionPolicy
+from kvplug.policies.lru import LRUPolicy
+
+ENTRY_POINT_GROUP = "kvplug.policies"
+
+_BUILTIN: dict[str, type[EvictionPolicy]] = {LRUPolicy.name: LRUPolicy}
+
+
+def _registry() -> dict[str, type[EvictionPolicy]]:
+    found: dict[str, Any] = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    registry: dict[str, Any] = dict(found)
+    registry.update(_BUILTIN)  # an outside package cannot shadow a built-in name
+    return registry
+
+
+def available_policies() -> list[str]:
+    """Names of every policy that `make_policy` accepts, sorted."""
+    return sorted(_registry())
+
+
+def make_policy(name: str, **params: Any) -> EvictionPolicy:
+    """Build the policy registered under `name` with `params` as keyword arguments."""
+    registry = _registry()
+    if name not in registry:
+        raise UnknownPolicyError(
+            f"unknown eviction policy {name!r}; known policies: {', '.join(sorted(registry))}"
+        )
+    target = registry[name]
+    cls = target if isinstance(target, type) else target.load()
+    if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
+        raise UnknownPolicyError(
+            f"entry point {name!r} in group {ENTRY_POINT_GROUP!r} is not an EvictionPolicy"
+        )
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise UnknownPolicyError(
+            f"policy {name!r} rejected its parameters {params}: {exc}"
+        ) from exc
+
+
+__all__ = ["EvictionPolicy", "LRUPolicy", "available_policies", "make_policy"]
