@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from heapq import heappop, heappush
 from itertools import count
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvplug.errors import (
     CapacityError,
@@ -54,6 +54,9 @@ from kvplug.keys import DEFAULT_HASH, BlockHasher, BlockKey, MMFeature, Namespac
 from kvplug.metrics import CacheMetrics, Usage
 from kvplug.policies import EvictionPolicy, make_policy
 from kvplug.pool import Block, BlockPool, BlockState
+
+if TYPE_CHECKING:
+    from kvplug.config import KVPlugConfig
 
 RequestId = str | int
 
@@ -158,6 +161,36 @@ class KVCache:
         self._draining: list[tuple[int, int, Block]] = []
         self._drain_seq = count()
         self._num_reclaimable = 0  # EVICTABLE blocks known to the policy
+
+    @classmethod
+    def from_config(
+        cls,
+        config: KVPlugConfig,
+        num_blocks: int,
+        block_size: int | None = None,
+        namespace: Namespace | None = None,
+        **kwargs: Any,
+    ) -> KVCache:
+        """A cache set up by `config`. `block_size` is the engine's, used when the config
+        names none; `namespace` carries what the engine knows (model, tokenizer, dtype)."""
+        size = config.block_size or block_size
+        if size is None:
+            raise ConfigError("block_size is set neither in the kvplug config nor by the engine")
+        ns = namespace or Namespace()
+        if config.namespace.model_revision:
+            ns = replace(ns, revision=config.namespace.model_revision)
+        if config.namespace.tenant:
+            ns = replace(ns, tenant=config.namespace.tenant)
+        return cls(
+            num_blocks,
+            size,
+            policy=make_policy(config.policy, **config.policy_config),
+            enable_prefix_caching=config.enable_prefix_caching,
+            namespace=ns,
+            hash_algo=config.hash_algo,
+            share_across_tenants=config.namespace.share_across_tenants,
+            **kwargs,
+        )
 
     # ------------------------------------------------------------------ queries
 
@@ -278,14 +311,17 @@ class KVCache:
             new_blocks.append(private.block_id)
             self.metrics.cow_copies += 1
 
-        for token in tokens:
-            if len(req.tokens) % bs == 0:
-                block = self._allocate()
-                req.table.append(block)
-                new_blocks.append(block.block_id)
+        pos = 0
+        while pos < len(tokens):
+            fill = len(req.tokens) % bs
+            if fill == 0:
+                req.table.append(self._allocate())
+                new_blocks.append(req.table[-1].block_id)
             block = req.table[-1]
-            req.tokens.append(token)
-            block.num_tokens += 1
+            take = min(bs - fill, len(tokens) - pos)
+            req.tokens.extend(tokens[pos : pos + take])
+            pos += take
+            block.num_tokens += take
             block.write_step = self.step
             if block.num_tokens == bs:
                 self._seal_key(req)
@@ -338,7 +374,7 @@ class KVCache:
             block.ref_cnt -= 1
             block.busy_until = max(block.busy_until, req.last_step)
             if block.ref_cnt - (block.node is not None) == 0:
-                block.released_step = self.step
+                block.released_at_fence = self.last_fence
                 self._settle(block)
 
     cancel = finish
@@ -611,10 +647,11 @@ class KVCache:
         heappush(self._draining, (self._busy_step(block), next(self._drain_seq), block))
 
     def _record_release(self, block: Block) -> None:
-        """Count the steps between a release and the block becoming reusable, once."""
-        if block.released_step >= 0:
-            self.metrics.record_release(self.step - block.released_step)
-            block.released_step = -1
+        """Record, once, how many steps had to finish between the block's release and its
+        becoming reusable (0 when nothing in flight touched it)."""
+        if block.released_at_fence >= 0:
+            self.metrics.record_release(self.last_fence - block.released_at_fence)
+            block.released_at_fence = -1
 
     def _free(self, block: Block) -> None:
         self.pool.free(block)

@@ -254,9 +254,7 @@ def _describe(err: ErrorDetails) -> str:
 def _policy_parameters(policy: str) -> list[str] | None:
     """The keyword parameters the policy's constructor takes, or None if unknown."""
     try:
-        target = policies._registry()[policy]
-        cls = target if isinstance(target, type) else target.load()
-        params = inspect.signature(cls).parameters.values()
+        params = inspect.signature(policies.policy_class(policy)).parameters.values()
     except Exception:  # best effort: only used to improve a message
         return None
     if any(p.kind is p.VAR_KEYWORD for p in params):

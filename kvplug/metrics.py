@@ -21,7 +21,8 @@ class CacheMetrics:
     cow_copies: int = 0
     published: int = 0
     rejected: int = 0  # full blocks the policy did not admit
-    release_ages: Counter[int] = field(default_factory=Counter)  # steps a release was deferred
+    # deferred-release age: steps fenced between a block's release and its reuse -> count
+    release_ages: Counter[int] = field(default_factory=Counter)
 
     def record_release(self, age: int) -> None:
         self.release_ages[age] += 1

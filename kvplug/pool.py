@@ -61,7 +61,7 @@ class Block:
     node: Node | None = field(default=None, repr=False)  # its prefix-index node, if published
     write_step: int = 0  # step of the last write into it
     busy_until: int = 0  # last step in which a since-released holder could read it
-    released_step: int = -1  # step its last holder let go, until it is reusable again; else -1
+    released_at_fence: int = -1  # last fence when its holders let go, until reusable; else -1
     pinned: bool = False  # EVICTABLE but not yet offered to the policy (awaiting a fence)
 
 
@@ -94,7 +94,7 @@ class BlockPool:
         block.num_tokens = 0
         block.group = group
         block.write_step = block.busy_until = 0
-        block.released_step = -1
+        block.released_at_fence = -1
         self.allocations += 1
         return block
 

@@ -285,3 +285,11 @@ def test_main_lists_only_existing_lazy_commands() -> None:
     assert "info" in listed
     for name in ("bench", "demo"):
         assert (name in listed) == installed(f"kvplug.{name}")
+
+
+def test_installing_kvplug_registers_no_engine_hooks() -> None:
+    """kvplug acts only when enabled: its installed entry points touch no engine."""
+    from importlib.metadata import distribution
+
+    groups = {ep.group for ep in distribution("kvplug").entry_points}
+    assert groups <= {"console_scripts", "kvplug.policies"}, groups

@@ -30,8 +30,8 @@ def available_policies() -> list[str]:
     return sorted(_registry())
 
 
-def make_policy(name: str, **params: Any) -> EvictionPolicy:
-    """Build the policy registered under `name` with `params` as keyword arguments."""
+def policy_class(name: str) -> type[EvictionPolicy]:
+    """The class registered under `name`."""
     registry = _registry()
     if name not in registry:
         raise UnknownPolicyError(
@@ -43,6 +43,12 @@ def make_policy(name: str, **params: Any) -> EvictionPolicy:
         raise UnknownPolicyError(
             f"entry point {name!r} in group {ENTRY_POINT_GROUP!r} is not an EvictionPolicy"
         )
+    return cls
+
+
+def make_policy(name: str, **params: Any) -> EvictionPolicy:
+    """Build the policy registered under `name` with `params` as keyword arguments."""
+    cls = policy_class(name)
     try:
         return cls(**params)
     except TypeError as exc:
@@ -51,4 +57,4 @@ def make_policy(name: str, **params: Any) -> EvictionPolicy:
         ) from exc
 
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "available_policies", "make_policy"]
+__all__ = ["EvictionPolicy", "LRUPolicy", "available_policies", "make_policy", "policy_class"]
