@@ -324,7 +324,7 @@ class KVCache:
             block.num_tokens += take
             block.write_step = self.step
             if block.num_tokens == bs:
-                self._seal_key(req)
+                self._key_full_block(req)
                 self._pending.append(_Pending(self.step, req, len(req.table) - 1))
         req.last_step = self.step
         return AppendResult(new_blocks, copies)
@@ -402,7 +402,7 @@ class KVCache:
         if step == self.step:
             self.step += 1
         while self._pending and self._pending[0].step <= step:
-            self._seal(self._pending.popleft())
+            self._complete_write(self._pending.popleft())
         while self._draining and self._draining[0][0] <= step:
             _, _, block = heappop(self._draining)
             waiting = block.state is BlockState.DRAINING or (
@@ -579,7 +579,7 @@ class KVCache:
             keys.append(parent_key)
         return nodes, keys
 
-    def _seal_key(self, req: Request) -> None:
+    def _key_full_block(self, req: Request) -> None:
         """Compute the key of the request's block that just became full."""
         i = len(req.keys)
         bs = self.block_size
@@ -657,7 +657,7 @@ class KVCache:
         self.pool.free(block)
         self.metrics.frees += 1
 
-    def _seal(self, entry: _Pending) -> None:
+    def _complete_write(self, entry: _Pending) -> None:
         """At its fence: a filled block is sealed, then published if it can be."""
         req, i = entry.req, entry.index
         block = req.table[i]

@@ -323,3 +323,39 @@ def test_double_free_is_refused() -> None:
     block = cache.pool.blocks[0]
     with pytest.raises(KVPlugError, match="double free"):
         cache.pool.free(block)
+
+
+# ---------------------------------------------------------------- gauges and groups
+
+
+def test_usage_counts_logical_tokens_physical_slots_and_tail_waste() -> None:
+    cache = KVCache(16, 4)
+    cache.add_request("a", list(range(10)))
+    cache.append("a", list(range(10)))
+    cache.fork("a", "b")  # shares all three blocks
+    usage = cache.usage()
+    assert usage.logical_tokens == 20
+    assert usage.physical_token_slots == 12
+    assert usage.tail_waste == 2
+    assert usage.block_table_entries == 6
+
+
+def test_groups_share_one_pool_of_equal_pages() -> None:
+    from kvplug.groups import CacheGroupSpec, GroupKind
+    from kvplug.pool import BlockPool
+
+    full = CacheGroupSpec(GroupKind.FULL, block_size=16, bytes_per_token=64)
+    window = CacheGroupSpec(GroupKind.SLIDING_WINDOW, 16, 64, sliding_window=128)
+    pool = BlockPool(8, page_bytes=full.page_bytes)
+    a = KVCache(0, 16, pool=pool, group=0, spec=full)
+    b = KVCache(0, 16, pool=pool, group=1, spec=window)
+    a.add_request("x", [1] * 40)
+    a.append("x", [1] * 40)
+    b.add_request("x", [1] * 40)
+    b.append("x", [1] * 40)
+    assert pool.num_free == 2
+    assert {pool.blocks[i].group for i in b.block_table("x")} == {1}
+    a.check_invariants()
+    b.check_invariants()
+    with pytest.raises(ConfigError, match="page size"):
+        KVCache(0, 16, pool=pool, spec=CacheGroupSpec(block_size=16, bytes_per_token=32))
