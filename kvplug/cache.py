@@ -75,6 +75,7 @@ class Request:
     keys: list[BlockKey] = field(default_factory=list)  # one per full block
     last_step: int = 0  # the last step that read or wrote this request's blocks
     num_cached_tokens: int = 0
+    prompt_len: int = 0
 
 
 class Copy(NamedTuple):
@@ -146,6 +147,7 @@ class KVCache:
             )
         self.group = group
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.policy.bind(block_size, len(self.pool))
         self.enable_prefix_caching = enable_prefix_caching
         self.namespace = namespace or Namespace()
         self.hasher = BlockHasher(hash_algo)
@@ -225,6 +227,20 @@ class KVCache:
         nodes, _ = self._lookup(prompt, self.resolve_namespace(namespace), tuple(mm_features))
         return nodes
 
+    def admission_blocks(self, nodes: Sequence[Node], num_tokens: int) -> int:
+        """How much of `num_reclaimable` admitting a request takes, when a lookup matched
+        `nodes` and its first `num_tokens` tokens are to be held: the new blocks, plus the
+        matched blocks that were evictable and stop being so."""
+        new = -(-num_tokens // self.block_size) - len(nodes)
+        revived = sum(
+            1
+            for node in nodes
+            if node.block is not None
+            and node.block.state is BlockState.EVICTABLE
+            and not node.block.pinned
+        )
+        return max(new, 0) + revived
+
     def blocks_needed(self, req_id: RequestId, num_tokens: int) -> int:
         """New blocks `append(req_id, num_tokens tokens)` would allocate."""
         req = self._get(req_id)
@@ -271,6 +287,7 @@ class KVCache:
         req.keys = keys[: len(nodes)]
         req.tokens = list(prompt[: len(nodes) * self.block_size])
         req.num_cached_tokens = len(req.tokens)
+        req.prompt_len = len(prompt)
         self.requests[req_id] = req
         self.metrics.requests += 1
         self.metrics.lookups += 1
@@ -353,26 +370,36 @@ class KVCache:
             keys=list(parent.keys),
             last_step=parent.last_step,
             num_cached_tokens=parent.num_cached_tokens,
+            prompt_len=parent.prompt_len,
         )
         for block in child.table:
             block.ref_cnt += 1
         self.requests[child_id] = child
         self.metrics.requests += 1
 
-    def finish(self, req_id: RequestId) -> None:
+    def finish(self, req_id: RequestId, *, output_tokens: int | None = None) -> None:
         """End a request (done or cancelled) and release its blocks, tail first.
 
         Blocks that an unfenced step may still read or write stay out of the pool until
-        that fence.
+        that fence. `output_tokens` is how many tokens the request generated, for callers
+        whose tokens are not model tokens; by default, the tokens appended past its prompt.
+        The released index nodes record it, with their distance from the request's end and
+        whether it reused the cache, for the eviction policy.
         """
         req = self.requests.pop(req_id, None)
         if req is None:
             raise UnknownRequestError(
                 f"request {req_id!r} is not in the cache (never added, or already finished)"
             )
-        for block in reversed(req.table):
+        if output_tokens is None:
+            output_tokens = max(len(req.tokens) - req.prompt_len, 0)
+        for from_end, block in enumerate(reversed(req.table)):
             block.ref_cnt -= 1
             block.busy_until = max(block.busy_until, req.last_step)
+            if block.node is not None:
+                block.node.from_end = from_end
+                block.node.request_hit = req.num_cached_tokens > 0
+                block.node.request_output = output_tokens
             if block.ref_cnt - (block.node is not None) == 0:
                 block.released_at_fence = self.last_fence
                 self._settle(block)
@@ -418,12 +445,12 @@ class KVCache:
         """Evict up to `num_blocks` cached blocks the policy ranks first; returns how many."""
         evicted = 0
         while evicted < num_blocks:
-            victims = self.policy.choose_victims(num_blocks - evicted)
+            # One at a time: a victim's parent may become the next candidate (vLLM's order).
+            victims = self.policy.choose_victims(1)
             if not victims:
                 break
-            for node in victims:
-                self._evict(node)
-            evicted += len(victims)
+            self._evict(victims[0])
+            evicted += 1
         return evicted
 
     def invalidate(self, namespace: Namespace | None = None) -> int:
@@ -621,6 +648,7 @@ class KVCache:
                 self._num_reclaimable -= 1
             block.state = BlockState.PUBLISHED
         block.ref_cnt += 1
+        node.hits += 1
         self.policy.hit(node)
 
     def _settle(self, block: Block) -> None:
@@ -698,6 +726,7 @@ class KVCache:
 
     def _evict(self, node: Node) -> None:
         self.metrics.evictions += 1
+        self.metrics.churn += node.hits == 0
         self._unindex(node)
 
     def _unindex(self, node: Node) -> None:

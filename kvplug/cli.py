@@ -78,8 +78,12 @@ def _module_exists(target: str) -> bool:
 # Lazily registered subcommands: name -> "module:attribute". Add new ones here (or call
 # `main.add_command(...)` from code that is imported anyway).
 _LAZY_COMMANDS: dict[str, str] = {
+    "ab": "kvplug.replay.cli:ab",
     "bench": "kvplug.bench:bench",
+    "budget": "kvplug.budget:budget",
+    "replay": "kvplug.replay.cli:replay",
     "demo": "kvplug.demo:demo",
+    "sweep": "kvplug.sweep:sweep",
 }
 
 

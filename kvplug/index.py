@@ -31,6 +31,10 @@ class Node:
     parent: Node | None
     block: Block | None
     depth: int  # the block's position in its sequence: 0 for the first block, -1 for roots
+    hits: int = 0  # lookups that reused it
+    from_end: int = 0  # at its last release: blocks of the releasing request after it
+    request_hit: bool = False  # at its last release: whether that request reused cache
+    request_output: int = 0  # at its last release: tokens that request generated
     children: dict[BlockKey, Node] = field(default_factory=dict, repr=False)
 
     @property

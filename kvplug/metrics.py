@@ -17,6 +17,7 @@ class CacheMetrics:
     allocations: int = 0
     frees: int = 0
     evictions: int = 0
+    churn: int = 0  # evicted blocks that were never reused
     invalidations: int = 0  # index entries dropped by `invalidate`
     cow_copies: int = 0
     published: int = 0

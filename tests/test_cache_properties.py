@@ -11,6 +11,8 @@ its write would break one of these.
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 from hypothesis import assume, event, given
 from hypothesis import strategies as st
@@ -34,10 +36,18 @@ from kvplug.errors import (
     UnknownRequestError,
 )
 from kvplug.keys import Namespace
+from kvplug.policies import EvictionPolicy, make_policy
+from kvplug.policies.belady import BeladyPolicy
 from kvplug.pool import BlockState
 
 BASES = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [7, 7, 7, 7, 7, 7])
 TENANTS = (Namespace(tenant="a"), Namespace(tenant="b"))
+
+
+def random_future(node, now: int) -> float:
+    """A deterministic stand-in future for `belady`, which only runs in replays."""
+    return now + 1 + int.from_bytes(hashlib.blake2b(node.key, digest_size=2).digest(), "big")
+
 
 prompts = st.builds(
     lambda base, cut, tail: BASES[base][:cut] + tail,
@@ -49,6 +59,13 @@ prompts = st.builds(
 
 class CacheMachine(RuleBasedStateMachine):
     requests = Bundle("requests")
+    policy_name = "lru"  # subclasses run the same machine under other policies
+
+    def make_policy(self) -> EvictionPolicy:
+        policy = make_policy(self.policy_name)
+        if isinstance(policy, BeladyPolicy):
+            policy.set_oracle(random_future)
+        return policy
 
     @initialize(
         num_blocks=st.integers(3, 24),
@@ -60,6 +77,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = KVCache(
             num_blocks,
             block_size,
+            policy=self.make_policy(),
             enable_prefix_caching=caching,
             max_model_len=max_model_len,
         )

@@ -11,11 +11,17 @@ from typing import Any
 
 from kvplug.errors import UnknownPolicyError
 from kvplug.policies.base import EvictionPolicy
+from kvplug.policies.belady import BeladyPolicy
+from kvplug.policies.cost import CostPolicy
+from kvplug.policies.gdsf import GDSFPolicy
+from kvplug.policies.lfu import LFUPolicy
 from kvplug.policies.lru import LRUPolicy
 
 ENTRY_POINT_GROUP = "kvplug.policies"
 
-_BUILTIN: dict[str, type[EvictionPolicy]] = {LRUPolicy.name: LRUPolicy}
+_BUILTIN: dict[str, type[EvictionPolicy]] = {
+    cls.name: cls for cls in (LRUPolicy, LFUPolicy, GDSFPolicy, CostPolicy, BeladyPolicy)
+}
 
 
 def _registry() -> dict[str, type[EvictionPolicy]]:

@@ -1,0 +1,117 @@
+"""The cost-aware scoring evictor: keep what saves the most prefill compute per byte.
+
+A block's score is ``P(reuse | class) * value / bytes``, decayed by its age:
+
+- `value` is the prefill FLOPs its tokens would cost again at its depth (`BlockValue`);
+  every block has the same size, so bytes only scale the score.
+- `P(reuse | class)` is learned online. A block's class is what the cache knows when it is
+  released: how often it has been reused (1, 2, 3+), or, if never, how close it sits to
+  the end of its request (0, 1, 2, 3+ blocks after it) and whether that request reused
+  the cache; and, for both, how many tokens that request generated (log2 buckets; requests
+  that end in a short answer, such as agent and tool steps, tend to be continued). Each
+  release opens a trial for the block's class. A hit closes it as reused. An eviction
+  moves the block's key to a ghost history: a later re-insert closes the trial as reused
+  and gives the block its reuse count back; falling out of the history closes it as not.
+- The score decays exponentially with age, with a time constant of one cache turnover
+  (as many evictions as the cache has blocks). Age is counted in evictions, so the decay
+  follows the workload's own pace and the cache's size, not a constant tuned to a trace.
+  Because every score decays at the same rate, ranking by
+  ``log(score) + release_time / turnover`` never needs re-sorting: O(log n) per operation.
+
+Eviction takes the lowest-ranked evictable leaf. A shared root is never a candidate while
+it has children and its score ages like any other, so hits below it do not make it
+immortal. Admission is the same test: a released block enters the ranking at its own
+score, so a block worth less than everything cached is the next victim and pushes out
+nothing better.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, defaultdict
+from typing import TYPE_CHECKING
+
+from kvplug.policies.base import RankedPolicy
+from kvplug.policies.value import BlockValue
+
+if TYPE_CHECKING:
+    from kvplug.index import Node
+
+ReuseClass = tuple[int, ...]
+
+
+class CostPolicy(RankedPolicy):
+    name = "cost"
+
+    def __init__(
+        self,
+        model: str | None = None,
+        tokens_per_block: int | None = None,
+        ghost_ratio: float = 2.0,
+        decay_turnovers: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.value = BlockValue(model, tokens_per_block)
+        self.ghost_ratio = ghost_ratio
+        self.decay_turnovers = decay_turnovers
+        self._turnover = 1.0  # evictions per time constant; set by `bind`
+        self._evictions = 0
+        self._trial: dict[int, ReuseClass] = {}  # serial -> class of its open trial
+        self._credit: dict[int, int] = {}  # serial -> reuses remembered from its ghost
+        self._ghosts: OrderedDict[bytes, tuple[ReuseClass, int]] = OrderedDict()
+        self._ghost_capacity = 0
+        self._tried: dict[ReuseClass, int] = defaultdict(int)
+        self._reused: dict[ReuseClass, int] = defaultdict(int)
+
+    def bind(self, block_size: int, num_blocks: int) -> None:
+        self.value.bind(block_size)
+        self._ghost_capacity = int(self.ghost_ratio * num_blocks)
+        self._turnover = self.decay_turnovers * num_blocks
+
+    def reuse_probability(self, cls: ReuseClass) -> float:
+        """Laplace-smoothed share of closed trials in `cls` that ended in a reuse."""
+        return (self._reused[cls] + 1) / (self._tried[cls] + 2)
+
+    def classify(self, node: Node) -> ReuseClass:
+        hits = node.hits + self._credit.get(node.serial, 0)
+        output = min(node.request_output.bit_length(), 12)
+        if hits:
+            return (min(hits, 3), output)
+        return (0, min(node.from_end, 3), int(node.request_hit), output)
+
+    def rank(self, node: Node) -> float:
+        cls = self.classify(node)
+        self._trial[node.serial] = cls
+        score = self.reuse_probability(cls) * self.value(node)
+        return math.log(score) + self._evictions / self._turnover
+
+    def insert(self, node: Node) -> None:
+        ghost = self._ghosts.pop(node.key, None)
+        if ghost is not None:  # evicted, and wanted again: it was reused after all
+            cls, hits = ghost
+            self._close(cls, reused=True)
+            self._credit[node.serial] = hits + 1
+
+    def hit(self, node: Node) -> None:
+        cls = self._trial.pop(node.serial, None)
+        if cls is not None:
+            self._close(cls, reused=True)
+
+    def remove(self, node: Node) -> None:
+        self._evictions += 1
+        cls = self._trial.pop(node.serial, None)
+        if cls is not None:
+            self._ghosts[node.key] = (cls, node.hits + self._credit.get(node.serial, 0))
+            while len(self._ghosts) > self._ghost_capacity:
+                _, (old, _) = self._ghosts.popitem(last=False)
+                self._close(old, reused=False)
+        self._credit.pop(node.serial, None)
+        super().remove(node)
+
+    def _close(self, cls: ReuseClass, reused: bool) -> None:
+        self._tried[cls] += 1
+        self._reused[cls] += reused
+
+    def learned(self) -> dict[ReuseClass, tuple[int, float]]:
+        """Each class seen so far: (closed trials, estimated reuse probability)."""
+        return {cls: (n, self.reuse_probability(cls)) for cls, n in self._tried.items()}

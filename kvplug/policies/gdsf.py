@@ -1,0 +1,37 @@
+"""GreedyDual-Size-Frequency: evict the lowest ``L + frequency * cost / size``.
+
+`L` (the inflation) rises to each victim's priority, so a block not reused for a while
+falls behind newly ranked ones: aging driven by the eviction rate, with no constant.
+Cost is the block's prefill FLOPs; every block has the same size, so it drops out.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvplug.policies.base import RankedPolicy
+from kvplug.policies.value import BlockValue
+
+if TYPE_CHECKING:
+    from kvplug.index import Node
+
+
+class GDSFPolicy(RankedPolicy):
+    name = "gdsf"
+
+    def __init__(self, model: str | None = None, tokens_per_block: int | None = None) -> None:
+        super().__init__()
+        self.value = BlockValue(model, tokens_per_block)
+        self.inflation = 0.0
+
+    def bind(self, block_size: int, num_blocks: int) -> None:
+        self.value.bind(block_size)
+
+    def rank(self, node: Node) -> float:
+        return self.inflation + (node.hits + 1) * self.value(node)
+
+    def remove(self, node: Node) -> None:
+        ranked = self._rank.get(node.serial)
+        if ranked is not None:
+            self.inflation = max(self.inflation, ranked[0])
+        super().remove(node)

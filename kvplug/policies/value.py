@@ -1,0 +1,37 @@
+"""What keeping one cached block saves: the prefill FLOPs of its tokens at its depth."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvplug.cost import ModelSpec, load_model
+
+if TYPE_CHECKING:
+    from kvplug.index import Node
+
+
+class BlockValue:
+    """Prefill FLOPs a cached block saves, relative to a block at position 0.
+
+    Deeper blocks are worth more: their tokens attend to more context. `tokens_per_block`
+    defaults to the cache's block size (`bind`); trace replays, whose cache blocks each
+    stand for a whole trace block, set it explicitly.
+    """
+
+    def __init__(self, model: str | ModelSpec | None = None, tokens_per_block: int | None = None):
+        self.model = model if isinstance(model, ModelSpec) else load_model(model)
+        self.tokens_per_block = tokens_per_block
+        self._by_depth: list[float] = []
+
+    def bind(self, block_size: int) -> None:
+        if self.tokens_per_block is None:
+            self.tokens_per_block = block_size
+
+    def __call__(self, node: Node) -> float:
+        depth = node.depth
+        while len(self._by_depth) <= depth:
+            t = self.tokens_per_block or 1
+            d = len(self._by_depth)
+            flops = self.model.prefill_flops(d * t, (d + 1) * t)
+            self._by_depth.append(flops / self.model.prefill_flops(0, t))
+        return self._by_depth[depth]

@@ -1,0 +1,158 @@
+"""Run a trace through several arms at several capacities and collect one row per pair.
+
+Arm names: any registered kvplug policy (``lru``, ``cost``, ``belady``, ...), ``vllm-stock``
+(vLLM's own KVCacheManager) and ``sglang-stock:<policy>`` (SGLang's own radix cache with
+its eviction policy ``<policy>``). A stock arm whose engine is not installed is reported
+as unavailable, never replaced by something else.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from kvplug.cost import ModelSpec
+from kvplug.errors import KVPlugError, UnknownPolicyError
+from kvplug.index import Node
+from kvplug.policies import available_policies, make_policy
+from kvplug.policies.belady import BeladyPolicy
+from kvplug.replay.arms import ArmUnavailable, CacheArm, KVPlugArm
+from kvplug.replay.loop import Job, Timing, make_jobs, replay
+from kvplug.replay.trace import Trace
+
+STOCK_ARMS = ("vllm-stock", "sglang-stock")
+
+
+@dataclass
+class ReplayRow:
+    policy: str
+    capacity_blocks: int
+    available: bool = True
+    note: str = ""
+    requests: int = 0
+    hit_ratio: float = 0.0  # prompt tokens served from cache / prompt tokens
+    saved_compute_ratio: float = 0.0  # prefill FLOPs saved / prefill FLOPs of all prompts
+    saved_flops: float = 0.0
+    bytes_held: float = 0.0  # mean bytes of reusable cached KV, sampled at each admission
+    evictions: int = 0
+    churn: int = 0  # blocks evicted without ever being reused
+    preemptions: int = 0
+    waited: int = 0
+    rejected: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_arm_names(names: list[str]) -> None:
+    """Raise, naming what is accepted, if any arm name is unknown."""
+    known = available_policies()
+    for name in names:
+        base = name.split(":", 1)[0]
+        if name in known or base in STOCK_ARMS:
+            continue
+        raise UnknownPolicyError(
+            f"unknown arm {name!r}; accepted: {', '.join(known)}, vllm-stock, sglang-stock:<policy>"
+        )
+
+
+def build_arm(name: str, capacity: int, jobs: list[Job], sequential: bool, bt: int) -> CacheArm:
+    """Raises `ArmUnavailable` for a stock arm whose engine is missing."""
+    if name == "vllm-stock":
+        from kvplug.replay.vllm_stock import VLLMStockArm
+
+        return VLLMStockArm(capacity)
+    if name.startswith("sglang-stock"):
+        from kvplug.replay.sglang_stock import SGLangStockArm
+
+        return SGLangStockArm(capacity, policy=name.partition(":")[2] or "lru")
+    params = {"tokens_per_block": bt} if name in ("cost", "gdsf") else {}
+    arm = KVPlugArm(name, make_policy(name, **params), capacity)
+    if isinstance(arm.cache.policy, BeladyPolicy):
+        arm.cache.policy.set_oracle(future_uses(jobs, arm, sequential))
+    return arm
+
+
+def future_uses(jobs: list[Job], arm: KVPlugArm, sequential: bool) -> Callable[[Node, int], float]:
+    """The oracle for `belady`: the next request after `now` whose lookup can reach a node."""
+    cache = arm.cache
+    root = cache.hasher.root_key(cache.resolve_namespace())
+    uses: dict[bytes, list[int]] = defaultdict(list)
+    for job in jobs:
+        reachable = len(job.prompt) if sequential else len(job.prompt) - 1
+        key = root
+        for unit in job.prompt[:reachable]:
+            key = cache.hasher.block_key(key, (unit,))
+            uses[key].append(job.index)
+
+    def next_use(node: Node, now: int) -> float:
+        times = uses.get(node.key)
+        if not times:
+            return float("inf")
+        i = bisect_right(times, now)
+        return times[i] if i < len(times) else float("inf")
+
+    return next_use
+
+
+def run_replay(
+    trace: Trace,
+    arms: list[str],
+    capacities: list[int],
+    model: ModelSpec,
+    *,
+    sequential: bool = False,
+    timing: Timing | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[ReplayRow]:
+    check_arm_names(arms)
+    if not capacities or min(capacities) < 1:
+        raise KVPlugError(f"capacities must be positive block counts, got {capacities}")
+    jobs = make_jobs(trace, model)
+    bytes_per_block = trace.block_tokens * model.kv_bytes_per_token()
+    rows = []
+    for capacity in capacities:
+        for name in arms:
+            try:
+                arm = build_arm(name, capacity, jobs, sequential, trace.block_tokens)
+            except ArmUnavailable as exc:
+                rows.append(ReplayRow(name, capacity, available=False, note=str(exc)))
+                continue
+            clock = _clock(arm)
+            c = replay(
+                arm, jobs, trace.block_tokens, sequential=sequential, timing=timing, on_admit=clock
+            )
+            stats = arm.stats()
+            row = ReplayRow(
+                policy=name,
+                capacity_blocks=capacity,
+                requests=c.requests,
+                hit_ratio=c.hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+                saved_compute_ratio=c.saved_flops / c.total_flops if c.total_flops else 0.0,
+                saved_flops=c.saved_flops,
+                bytes_held=c.cached_blocks_sum / max(c.cached_block_samples, 1) * bytes_per_block,
+                evictions=stats.evictions,
+                churn=stats.churn,
+                preemptions=c.preemptions,
+                waited=c.waited,
+                rejected=c.rejected,
+                seconds=c.seconds,
+            )
+            rows.append(row)
+            if progress:
+                progress(f"{name} @ {capacity} blocks: {row.seconds:.1f} s")
+    return rows
+
+
+def _clock(arm: CacheArm) -> Callable[[Job], None] | None:
+    policy = getattr(getattr(arm, "cache", None), "policy", None)
+    if isinstance(policy, BeladyPolicy):
+
+        def tick(job: Job) -> None:
+            policy.now = job.index
+
+        return tick
+    return None

@@ -1,0 +1,171 @@
+"""Request traces: the Mooncake and Alibaba Bailian JSON-lines formats.
+
+A trace names each prompt's blocks by id instead of carrying tokens:
+
+- Mooncake (FAST '25): ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``,
+  one id per 512-token block. Ids are prefix-chained: the same id means the same block
+  *and* the same whole prefix before it, so an id always follows the same parent.
+- Bailian: ``{"chat_id", "parent_chat_id", "timestamp": s, "input_length",
+  "output_length", "type", "turn", "hash_ids"}``, one id per 16-token block.
+
+Every problem is a `TraceError` naming the line and what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvplug.errors import KVPlugError
+
+FORMATS = ("mooncake", "bailian")
+BLOCK_TOKENS = {"mooncake": 512, "bailian": 16}
+_FIELDS = {
+    "mooncake": ("timestamp", "input_length", "output_length", "hash_ids"),
+    "bailian": ("chat_id", "timestamp", "input_length", "output_length", "hash_ids"),
+}
+
+
+class TraceError(KVPlugError, ValueError):
+    """A trace line that cannot be replayed."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    arrival: float  # seconds from the trace's start
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+    session: str = ""  # conversation or chat id, when the trace has one
+
+
+@dataclass(frozen=True)
+class Trace:
+    name: str
+    block_tokens: int  # tokens per hash id
+    requests: list[TraceRequest]
+
+    @property
+    def prompt_blocks(self) -> int:
+        return sum(len(r.hash_ids) for r in self.requests)
+
+    @property
+    def distinct_blocks(self) -> int:
+        """Distinct blocks, a block being its id together with every id before it."""
+        nodes: dict[tuple[int, int], int] = {}
+        for req in self.requests:
+            parent = -1
+            for h in req.hash_ids:
+                parent = nodes.setdefault((parent, h), len(nodes))
+        return len(nodes)
+
+
+def read_trace(path: str | Path, fmt: str | None = None) -> Trace:
+    """Read a JSON-lines trace; the format is detected from the first line unless given."""
+    path = Path(path)
+    if fmt is not None and fmt not in FORMATS:
+        raise TraceError(f"unknown trace format {fmt!r}; accepted: {', '.join(FORMATS)}")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {str(path)!r}: {exc.strerror or exc}") from None
+    requests: list[TraceRequest] = []
+    parents: dict[int, tuple[int | None, int]] = {}  # id -> (parent id, line first seen)
+    start: float | None = None
+    last_time = float("-inf")
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path.name}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{where}: invalid JSON at column {exc.colno}: {exc.msg}") from None
+        if not isinstance(row, dict):
+            raise TraceError(f"{where}: each line must be a JSON object")
+        if fmt is None:
+            fmt = "bailian" if "chat_id" in row else "mooncake"
+        missing = [f for f in _FIELDS[fmt] if f not in row]
+        if missing:
+            raise TraceError(
+                f"{where}: missing field {missing[0]!r} ({fmt} lines need "
+                f"{', '.join(_FIELDS[fmt])})"
+            )
+        seconds = _number(row["timestamp"], "timestamp", where)
+        seconds = seconds / 1000 if fmt == "mooncake" else seconds
+        if seconds < last_time:
+            raise TraceError(
+                f"{where}: timestamp {row['timestamp']} is earlier than the line before it; "
+                "timestamps must not decrease"
+            )
+        last_time = seconds
+        start = seconds if start is None else start
+        input_length = _count(row["input_length"], "input_length", where, minimum=1)
+        output_length = _count(row["output_length"], "output_length", where, minimum=0)
+        ids = row["hash_ids"]
+        if not isinstance(ids, list) or not all(
+            isinstance(h, int) and not isinstance(h, bool) for h in ids
+        ):
+            raise TraceError(f"{where}: 'hash_ids' must be a list of integers")
+        expected = -(-input_length // BLOCK_TOKENS[fmt])
+        if len(ids) != expected:
+            raise TraceError(
+                f"{where}: {len(ids)} hash_ids for input_length {input_length}; "
+                f"{fmt} blocks hold {BLOCK_TOKENS[fmt]} tokens, so {expected} are needed"
+            )
+        if fmt == "mooncake":
+            _check_chain(ids, parents, where, lineno)
+        session = str(row.get("chat_id", "")) if fmt == "bailian" else ""
+        requests.append(
+            TraceRequest(seconds - start, input_length, output_length, tuple(ids), session)
+        )
+    if not requests:
+        raise TraceError(f"{path}: the trace has no requests")
+    assert fmt is not None
+    return Trace(path.stem, BLOCK_TOKENS[fmt], requests)
+
+
+def _check_chain(
+    ids: list[int], parents: dict[int, tuple[int | None, int]], where: str, lineno: int
+) -> None:
+    parent: int | None = None
+    for pos, h in enumerate(ids):
+        first = parents.setdefault(h, (parent, lineno))
+        if first[0] != parent:
+            before = "the start of the prompt" if parent is None else f"id {parent}"
+            then = "the start of the prompt" if first[0] is None else f"id {first[0]}"
+            raise TraceError(
+                f"{where}: hash id {h} at block {pos} follows {before}, but on line {first[1]} "
+                f"it follows {then}; Mooncake ids must be prefix-chained"
+            )
+        parent = h
+
+
+def _number(value: object, name: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TraceError(f"{where}: {name!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def _count(value: object, name: str, where: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise TraceError(f"{where}: {name!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def write_trace(trace: Trace, path: str | Path) -> Path:
+    """Write `trace` as Mooncake JSON lines (timestamps in ms). Needs 512-token blocks."""
+    if trace.block_tokens != BLOCK_TOKENS["mooncake"]:
+        raise TraceError(f"Mooncake traces use 512-token blocks, not {trace.block_tokens}")
+    path = Path(path)
+    with path.open("w", encoding="utf-8") as out:
+        for r in trace.requests:
+            row = {
+                "timestamp": round(r.arrival * 1000),
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": list(r.hash_ids),
+            }
+            out.write(json.dumps(row) + "\n")
+    return path

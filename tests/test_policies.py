@@ -1,0 +1,133 @@
+"""Eviction policies: the registry, each policy's order, and the cache invariants under each."""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint
+
+import pytest
+from hypothesis import settings
+from test_cache_properties import CacheMachine
+
+from kvplug.cache import KVCache
+from kvplug.errors import UnknownPolicyError
+from kvplug.policies import available_policies, make_policy, policy_class
+from kvplug.policies.base import EvictionPolicy
+from kvplug.policies.cost import CostPolicy
+from kvplug.policies.gdsf import GDSFPolicy
+
+BUILTIN = ["belady", "cost", "gdsf", "lfu", "lru"]
+
+
+def test_registry_lists_every_builtin_policy() -> None:
+    assert set(BUILTIN) <= set(available_policies())
+    for name in BUILTIN:
+        assert isinstance(make_policy(name), EvictionPolicy)
+
+
+def test_unknown_policy_lists_the_known_ones() -> None:
+    with pytest.raises(UnknownPolicyError, match="known policies: belady, cost, gdsf, lfu, lru"):
+        make_policy("arc")
+
+
+def test_bad_policy_parameter_is_reported() -> None:
+    with pytest.raises(UnknownPolicyError, match="rejected its parameters"):
+        make_policy("cost", half_life=3)
+
+
+class _Outside(CostPolicy):
+    name = "outside"
+
+
+def test_other_packages_add_policies_through_entry_points(monkeypatch) -> None:
+    found = [
+        EntryPoint("outside", f"{__name__}:_Outside", "kvplug.policies"),
+        EntryPoint("broken", "builtins:dict", "kvplug.policies"),
+    ]
+    monkeypatch.setattr("kvplug.policies.entry_points", lambda group: found)
+    assert "outside" in available_policies()
+    assert isinstance(make_policy("outside"), _Outside)
+    assert policy_class("lru").name == "lru"  # built-ins cannot be shadowed
+    with pytest.raises(UnknownPolicyError, match="not an EvictionPolicy"):
+        make_policy("broken")
+
+
+def _serve(cache: KVCache, req: str, prompt: list[int], output: int = 0) -> int:
+    cached = cache.add_request(req, prompt)
+    cache.append(req, prompt[cached:])
+    cache.complete_step()
+    cache.finish(req, output_tokens=output)
+    return cached
+
+
+@pytest.mark.parametrize(("policy", "first"), [("lfu", (9,)), ("lru", (1,))])
+def test_lfu_evicts_the_least_reused_where_lru_evicts_the_oldest(policy, first) -> None:
+    cache = KVCache(8, 1, policy=policy)
+    _serve(cache, "a", [1, 9])
+    _serve(cache, "a2", [1, 8])  # reuses block 1
+    _serve(cache, "b", [2, 9])
+    assert cache.evict(2) == 2  # both leaves under block 1, which is now a leaf itself
+    # lru: block 1 was released before b's blocks; lfu: block 1 was reused, b's leaf not.
+    assert cache.policy.choose_victims(1)[0].tokens == first
+
+
+def test_gdsf_keeps_the_deeper_block_of_equal_frequency() -> None:
+    # Each cache block stands for 4,096 tokens, so attention makes depth matter.
+    cache = KVCache(16, 1, policy=GDSFPolicy(tokens_per_block=4096))
+    _serve(cache, "long", [*range(1, 12), 0])
+    _serve(cache, "short", [50, 0])  # released later, but its leaf sits at depth 1, not 11
+    assert cache.policy.choose_victims(1)[0].depth == 1
+    lru = KVCache(16, 1, policy="lru")
+    _serve(lru, "long", [*range(1, 12), 0])
+    _serve(lru, "short", [50, 0])
+    assert lru.policy.choose_victims(1)[0].depth == 11
+
+
+def _follow_up_hits(policy, rounds: int = 300) -> tuple[KVCache, int]:
+    """Each round: a request that generates a short answer, four that generate long ones,
+    then the short one's follow-up. Only follow-ups reuse anything. Returns the cache and
+    how many of the last 100 follow-ups found their prefix cached."""
+    cache = KVCache(16, 1, policy=policy)
+    hits = 0
+    for i in range(rounds):
+        short = [1000 + i, 1, 2, 3, 4]
+        _serve(cache, f"s{i}", short, output=10)
+        for k in range(4):
+            _serve(cache, f"l{i}.{k}", [5000 + 4 * i + k, 6, 7, 8, 9], output=900)
+        cached = _serve(cache, f"s{i}b", short, output=10)
+        hits += i >= rounds - 100 and cached == 4
+    return cache, hits
+
+
+def test_cost_learns_which_classes_come_back() -> None:
+    cache, cost_hits = _follow_up_hits(CostPolicy(tokens_per_block=512))
+    learned = cache.policy.learned()
+    short_p = max(p for cls, (n, p) in learned.items() if cls[-1] == (10).bit_length())
+    long_p = max(p for cls, (n, p) in learned.items() if cls[-1] == (900).bit_length())
+    assert short_p > 0.5 > 0.1 > long_p
+    _, lru_hits = _follow_up_hits(make_policy("lru"))
+    assert lru_hits == 0 and cost_hits >= 90
+    cache.check_invariants()
+
+
+def test_cost_ghosts_give_back_credit() -> None:
+    cache = KVCache(4, 1, policy=CostPolicy(tokens_per_block=16, ghost_ratio=4))
+    _serve(cache, "a", [1, 2, 0])
+    cache.evict(4)
+    assert cache.match([1, 2, 3]) == []
+    _serve(cache, "b", [1, 2, 0])  # recomputed: the ghost history remembers it
+    assert cache.policy._credit and min(cache.policy._credit.values()) >= 1
+    assert any(n for n, _ in cache.policy.learned().values())
+
+
+def _machine_under(policy: str):
+    machine = type(f"CacheMachine_{policy}", (CacheMachine,), {"policy_name": policy})
+    test = machine.TestCase
+    # Fewer sequences than the lru machine: the lifecycle code is shared, the ranking is not.
+    test.settings = settings(test.settings, max_examples=max(test.settings.max_examples // 5, 50))
+    return test
+
+
+TestInvariantsUnderLFU = _machine_under("lfu")
+TestInvariantsUnderGDSF = _machine_under("gdsf")
+TestInvariantsUnderCost = _machine_under("cost")
+TestInvariantsUnderBelady = _machine_under("belady")
