@@ -54,7 +54,7 @@ class KVPlugConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    policy: str = "lru"
+    policy: str = "cost"  # the cost-aware evictor; "lru" reproduces vLLM's stock order
     policy_config: dict[str, Any] = Field(default_factory=dict)
     block_size: int | None = Field(default=None, ge=1)  # None: the engine's choice
     hash_algo: str = DEFAULT_HASH

@@ -27,7 +27,7 @@ def config_error(source: object) -> str:
 
 def test_defaults() -> None:
     config = KVPlugConfig()
-    assert config.policy == "lru"
+    assert config.policy == "cost"
     assert config.policy_config == {}
     assert config.block_size is None
     assert config.hash_algo == DEFAULT_HASH
@@ -83,7 +83,7 @@ def test_empty_yaml_means_defaults(tmp_path: Path) -> None:
 def test_load_every_source_kind(tmp_path: Path, wrapped: bool) -> None:
     body = {"block_size": 64, "policy": "lru"}
     data = {"kvplug": body} if wrapped else body
-    expected = KVPlugConfig(block_size=64)
+    expected = KVPlugConfig(block_size=64, policy="lru")
     yaml_path = tmp_path / "c.yaml"
     yaml_path.write_text(("kvplug:\n" if wrapped else "") + "  block_size: 64\n  policy: lru\n")
     json_path = tmp_path / "c.json"

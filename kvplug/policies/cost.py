@@ -1,6 +1,10 @@
 """The cost-aware scoring evictor: keep what saves the most prefill compute per byte.
 
-A block's score is ``P(reuse | class) * value / bytes``, decayed by its age:
+When a block becomes evictable it is ranked by GreedyDual's rule,
+
+    H = L + (1 + min(reuses, 3)) * P(reuse | class) * value / bytes
+
+and the evictable leaf with the lowest H goes first.
 
 - `value` is the prefill FLOPs its tokens would cost again at its depth (`BlockValue`);
   every block has the same size, so bytes only scale the score.
@@ -12,22 +16,21 @@ A block's score is ``P(reuse | class) * value / bytes``, decayed by its age:
   release opens a trial for the block's class. A hit closes it as reused. An eviction
   moves the block's key to a ghost history: a later re-insert closes the trial as reused
   and gives the block its reuse count back; falling out of the history closes it as not.
-- The score decays exponentially with age, with a time constant of one cache turnover
-  (as many evictions as the cache has blocks). Age is counted in evictions, so the decay
-  follows the workload's own pace and the cache's size, not a constant tuned to a trace.
-  Because every score decays at the same rate, ranking by
-  ``log(score) + release_time / turnover`` never needs re-sorting: O(log n) per operation.
+- `reuses`, its hits since it entered the cache (saturating at 3, like the classes), is
+  GreedyDual-Size-Frequency's frequency term: of two blocks with the same odds, the one
+  reused more is more often right.
+- `L` is the inflation: it rises to each victim's H, so every score decays relative to
+  newly ranked blocks at the pace at which the workload evicts. No half-life is set.
+  Ranks never change once given, so every operation is O(log n).
 
-Eviction takes the lowest-ranked evictable leaf. A shared root is never a candidate while
-it has children and its score ages like any other, so hits below it do not make it
-immortal. Admission is the same test: a released block enters the ranking at its own
-score, so a block worth less than everything cached is the next victim and pushes out
-nothing better.
+A shared root is never a candidate while it has children, and its own H ages like any
+other, so hits below it do not make it immortal. Admission is the same test: a released
+block enters the ranking at its own H, so a block worth less than everything cached is
+the next victim and pushes out nothing better.
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict, defaultdict
 from typing import TYPE_CHECKING
 
@@ -48,14 +51,11 @@ class CostPolicy(RankedPolicy):
         model: str | None = None,
         tokens_per_block: int | None = None,
         ghost_ratio: float = 2.0,
-        decay_turnovers: float = 1.0,
     ) -> None:
         super().__init__()
         self.value = BlockValue(model, tokens_per_block)
         self.ghost_ratio = ghost_ratio
-        self.decay_turnovers = decay_turnovers
-        self._turnover = 1.0  # evictions per time constant; set by `bind`
-        self._evictions = 0
+        self.inflation = 0.0
         self._trial: dict[int, ReuseClass] = {}  # serial -> class of its open trial
         self._credit: dict[int, int] = {}  # serial -> reuses remembered from its ghost
         self._ghosts: OrderedDict[bytes, tuple[ReuseClass, int]] = OrderedDict()
@@ -66,14 +66,16 @@ class CostPolicy(RankedPolicy):
     def bind(self, block_size: int, num_blocks: int) -> None:
         self.value.bind(block_size)
         self._ghost_capacity = int(self.ghost_ratio * num_blocks)
-        self._turnover = self.decay_turnovers * num_blocks
 
     def reuse_probability(self, cls: ReuseClass) -> float:
         """Laplace-smoothed share of closed trials in `cls` that ended in a reuse."""
         return (self._reused[cls] + 1) / (self._tried[cls] + 2)
 
+    def reuses(self, node: Node) -> int:
+        return node.hits + self._credit.get(node.serial, 0)
+
     def classify(self, node: Node) -> ReuseClass:
-        hits = node.hits + self._credit.get(node.serial, 0)
+        hits = self.reuses(node)
         output = min(node.request_output.bit_length(), 12)
         if hits:
             return (min(hits, 3), output)
@@ -82,8 +84,8 @@ class CostPolicy(RankedPolicy):
     def rank(self, node: Node) -> float:
         cls = self.classify(node)
         self._trial[node.serial] = cls
-        score = self.reuse_probability(cls) * self.value(node)
-        return math.log(score) + self._evictions / self._turnover
+        frequency = 1 + min(node.hits, 3)
+        return self.inflation + frequency * self.reuse_probability(cls) * self.value(node)
 
     def insert(self, node: Node) -> None:
         ghost = self._ghosts.pop(node.key, None)
@@ -98,10 +100,12 @@ class CostPolicy(RankedPolicy):
             self._close(cls, reused=True)
 
     def remove(self, node: Node) -> None:
-        self._evictions += 1
+        ranked = self._rank.get(node.serial)
+        if ranked is not None:
+            self.inflation = max(self.inflation, ranked[0])
         cls = self._trial.pop(node.serial, None)
         if cls is not None:
-            self._ghosts[node.key] = (cls, node.hits + self._credit.get(node.serial, 0))
+            self._ghosts[node.key] = (cls, self.reuses(node))
             while len(self._ghosts) > self._ghost_capacity:
                 _, (old, _) = self._ghosts.popitem(last=False)
                 self._close(old, reused=False)

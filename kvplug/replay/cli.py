@@ -11,7 +11,7 @@ import click
 from kvplug.cost import DEFAULT_MODEL, load_model
 from kvplug.replay.loop import Timing
 from kvplug.replay.report import FORMATS, plot, render
-from kvplug.replay.runner import run_replay
+from kvplug.replay.runner import check_arm_names, run_replay
 from kvplug.replay.synthetic import synthetic_trace
 from kvplug.replay.trace import FORMATS as TRACE_FORMATS
 from kvplug.replay.trace import Trace, read_trace
@@ -147,8 +147,9 @@ def replay(
     TRACE is a Mooncake or Bailian JSON-lines file, or synthetic:NAME with NAME one of
     system-prompts, multi-turn, agent-loop, mixed.
     """
-    t = load_trace(trace, trace_format)
     arms = [a.strip() for a in policies.split(",") if a.strip()]
+    check_arm_names(arms)  # before reading a large trace
+    t = load_trace(trace, trace_format)
     timing = Timing(prefill_tps, decode_tps)
     caps = capacities_for(t, capacity_blocks, capacity_fractions)
     _run(t, arms, caps, model, sequential, timing, fmt, plot_path, quiet)

