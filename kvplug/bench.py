@@ -68,18 +68,23 @@ class _Workload:
 
 
 def bench_core(
-    sizes: list[int], requests: int, block_size: int, blocks_per_prompt: int, seed: int = 0
+    sizes: list[int],
+    requests: int,
+    block_size: int,
+    blocks_per_prompt: int,
+    seed: int = 0,
+    policy: str = "lru",
 ) -> list[Row]:
     rows: list[Row] = []
     work = _Workload(block_size, blocks_per_prompt, seed)
 
-    cache = KVCache(requests * (blocks_per_prompt + 1) + 1, block_size)
+    cache = KVCache(requests * (blocks_per_prompt + 1) + 1, block_size, policy=policy)
     prompts = [work.prompt() for _ in range(requests)]
     ops, us = _rate(partial(work.run_request, cache), prompts)
     rows.append(Row(f"request lifecycle ({blocks_per_prompt} blocks)", 0, ops, us))
 
     # One cache grown through every size; the pool holds the largest size plus headroom.
-    cache = KVCache(max(sizes) + 4 * (blocks_per_prompt + 1), block_size)
+    cache = KVCache(max(sizes) + 4 * (blocks_per_prompt + 1), block_size, policy=policy)
     work = _Workload(block_size, blocks_per_prompt, seed + 1)
     probes = 2_000
     for size in sorted(sizes):
@@ -148,14 +153,42 @@ def bench() -> None:
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--blocks-per-prompt", default=32, show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
-def core(sizes: str, requests: int, block_size: int, blocks_per_prompt: int, fmt: str) -> None:
+@click.option("--policy", default="lru", show_default=True, help="Any online policy.")
+def core(
+    sizes: str, requests: int, block_size: int, blocks_per_prompt: int, fmt: str, policy: str
+) -> None:
     """Allocate/append/finish throughput and lookup/evict cost against the cached-index size."""
     size_list = _int_list(sizes)
-    rows = bench_core(size_list, requests, block_size, blocks_per_prompt)
+    rows = bench_core(size_list, requests, block_size, blocks_per_prompt, policy=policy)
     if fmt == "json":
         click.echo(json.dumps([asdict(r) for r in rows], indent=2))
     else:
         click.echo(format_table(rows, size_list))
+
+
+@bench.command(name="replay")
+@click.option("--requests", default=12_000, show_default=True)
+@click.option("--policies", default="lru,cost,gdsf,lfu,belady", show_default=True)
+@click.option("--capacity-fraction", default=0.05, show_default=True)
+def replay_speed(requests: int, policies: str, capacity_fraction: float) -> None:
+    """Seconds to replay a large synthetic trace (realistic mode), one policy at a time."""
+    from dataclasses import replace
+
+    from kvplug.cost import load_model
+    from kvplug.replay.runner import run_replay
+    from kvplug.replay.synthetic import synthetic_trace
+
+    trace = synthetic_trace("mixed", seed=1, duration=requests / 3.2, rate=4.0)
+    trace = replace(trace, requests=trace.requests[:requests])
+    capacity = max(1, round(capacity_fraction * trace.distinct_blocks))
+    click.echo(
+        f"{len(trace.requests):,} requests, {trace.prompt_blocks:,} prompt blocks, "
+        f"capacity {capacity:,} blocks; one thread\n"
+    )
+    click.echo(f"{'policy':<8} {'seconds':>8} {'prompt blocks/s':>16}")
+    for name in policies.split(","):
+        (row,) = run_replay(trace, [name], [capacity], load_model(None))
+        click.echo(f"{name:<8} {row.seconds:>8.1f} {trace.prompt_blocks / row.seconds:>16,.0f}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,10 @@ ensure_vllm_env() {
 }
 
 ensure_sglang_env() {
+  # SGLang JIT-compiles its KV-event hash extension at first use: it needs these headers
+  if ! dpkg -s libssl-dev ninja-build >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq libssl-dev ninja-build >/dev/null
+  fi
   if ! .venv-sglang/bin/python -c 'import sglang, kvplug, pytest' 2>/dev/null; then
     python3 -m venv .venv-sglang
     _pip .venv-sglang -e '.[dev]'

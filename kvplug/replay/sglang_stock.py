@@ -7,8 +7,9 @@ What runs is the installed SGLang 0.5.23's code, not a model of it:
   one `FULL` component, ``page_size=1``, KV cache events on, and its pure-Python tree core
   (``tree_core_backend="python"``, `UnifiedTreeCore`). The eviction strategy is SGLang's
   own, looked up by name in `sglang.srt.mem_cache.evict_policy` via `get_eviction_strategy`.
-  (SGLang's default Rust tree core is not used: it does not run custom strategies, and
-  the legacy `radix_cache.RadixCache` is no longer what the scheduler builds.)
+  (SGLang's default Rust tree core knows only SGLang's built-in strategy names and
+  rejects one registered from Python; the legacy `radix_cache.RadixCache` is no longer
+  what the scheduler builds.)
 - `TokenToKVPoolAllocator` with ``capacity_blocks`` slots, and `ReqToTokenPool`, the
   request-to-slot table the cache reads and rewrites.
 - Requests are `sglang.srt.managers.schedule_batch.Req` objects. The calls that need
@@ -25,7 +26,9 @@ How each arm call maps to what SGLang's scheduler does:
   input: the last token is always computed). The matched node is locked
   (`tree_cache.lock`, i.e. `inc_lock_ref`), as `PrefillAdder` does while it checks the
   budget. If the uncached units cannot be had from free plus evictable slots, or no
-  request row is free, the lock is released and None is returned. Otherwise
+  request row is free, the lock is released and None is returned: no size, slot or lock
+  has changed, though, as in SGLang's own failed attempt, the match has refreshed the
+  prefix's recency (and may have split a node where it ended). Otherwise
   `alloc_req_slots` takes a request row and `alloc_token_slots` takes the slots, evicting
   through the allocator's `evict_to_free_tokens` -> `tree_cache.evict_for_alloc` when the
   pool is short, and the row is written as `alloc_for_extend` writes it.
@@ -85,8 +88,28 @@ def _check_sglang() -> None:
         )
 
 
+def _check_native_hash() -> None:
+    """Raise `ArmUnavailable` unless SGLang's KV-event hash extension loads.
+
+    SGLang JIT-compiles it (C++, with OpenSSL) at first use; without it, every insert into
+    a tree with KV events on would fail mid-replay.
+    """
+    from sglang.srt.mem_cache.cpp_utils.native_hash import get_native_hash
+
+    try:
+        get_native_hash(array("q", [0]), None, 1)
+    except RuntimeError as exc:
+        raise ArmUnavailable(
+            "the sglang-stock arm needs SGLang's native hash extension for its KV events, "
+            f"which could not be built here ({exc.__cause__ or exc}); it needs g++, ninja "
+            "and the OpenSSL headers"
+        ) from exc
+
+
 def sglang_policies() -> list[str]:
-    """The eviction policy names SGLang's radix cache accepts (`get_eviction_strategy`)."""
+    """The eviction policy names SGLang's radix cache accepts: the registry that
+    `get_eviction_strategy` looks names up in (lru, lfu, fifo, mru, filo, priority, slru,
+    tlru in 0.5.23)."""
     from sglang.srt.mem_cache.utils import _EVICTION_POLICY_FACTORIES
 
     return list(_EVICTION_POLICY_FACTORIES)
@@ -132,6 +155,7 @@ class SGLangStockArm(CacheArm):
         self.name = f"sglang-stock:{policy}"
         self.capacity_blocks = capacity_blocks
         self._context = _scheduler_context()
+        _check_native_hash()
         with self._sglang():
             # The allocator hands out slot ids only; the KV tensors themselves are irrelevant.
             self.allocator = TokenToKVPoolAllocator(
@@ -172,8 +196,9 @@ class SGLangStockArm(CacheArm):
 
         if req_id in self.requests:
             raise ValueError(f"request {req_id} is already running")
-        if not 0 <= compute <= len(prompt):
-            raise ValueError(f"compute must be in [0, {len(prompt)}], got {compute}")
+        if not 1 <= compute <= len(prompt):
+            # SGLang holds KV for at least one token of every request it runs.
+            raise ValueError(f"compute must be in [1, len(prompt) = {len(prompt)}], got {compute}")
         with self._sglang():
             req = Req(str(req_id), "", array("q", prompt), SamplingParams())
             req.init_next_round_input(self.cache)
