@@ -229,7 +229,7 @@ class _Realistic:
             self.counters.preemptions += 1
             if victim == j and not self.running:  # alone and still too big: it never fits
                 self.counters.record_rejection(self.jobs[j])
-                return
+                break
             self.waiting.appendleft(victim)
             if victim == j:
                 break
