@@ -50,11 +50,32 @@ def capacities_for(trace: Trace, blocks: str | None, fractions: str) -> list[int
     return [max(1, round(f * distinct)) for f in _numbers(fractions, float, "--capacity-fractions")]
 
 
-def _run(trace, arms, capacities, model, sequential, timing, fmt, plot_path, quiet) -> None:
+def _run(
+    trace: Trace,
+    arms: list[str],
+    plot_path: str | None,
+    *,
+    model: str,
+    sequential: bool,
+    capacity_blocks: str | None,
+    capacity_fractions: str,
+    fmt: str,
+    prefill_tps: float,
+    decode_tps: float,
+    quiet: bool,
+) -> None:
+    """Replay `trace` through `arms`, print the report, write the plot."""
     spec = load_model(model)
+    capacities = capacities_for(trace, capacity_blocks, capacity_fractions)
     progress = None if quiet else (lambda msg: click.echo(f"  {msg}", err=True))
     rows = run_replay(
-        trace, arms, capacities, spec, sequential=sequential, timing=timing, progress=progress
+        trace,
+        arms,
+        capacities,
+        spec,
+        sequential=sequential,
+        timing=Timing(prefill_tps, decode_tps),
+        progress=progress,
     )
     mode = "sequential" if sequential else "realistic"
     if fmt == "table":
@@ -128,20 +149,7 @@ def _with_common(fn):
 )
 @click.option("--plot", "plot_path", default=None, help="Write saved compute vs capacity here.")
 @_with_common
-def replay(
-    trace,
-    policies,
-    trace_format,
-    plot_path,
-    model,
-    sequential,
-    capacity_blocks,
-    capacity_fractions,
-    fmt,
-    prefill_tps,
-    decode_tps,
-    quiet,
-) -> None:
+def replay(trace: str, policies: str, trace_format: str | None, plot_path, **options) -> None:
     """Replay TRACE through several eviction policies and cache sizes.
 
     TRACE is a Mooncake or Bailian JSON-lines file, or synthetic:NAME with NAME one of
@@ -149,10 +157,7 @@ def replay(
     """
     arms = [a.strip() for a in policies.split(",") if a.strip()]
     check_arm_names(arms)  # before reading a large trace
-    t = load_trace(trace, trace_format)
-    timing = Timing(prefill_tps, decode_tps)
-    caps = capacities_for(t, capacity_blocks, capacity_fractions)
-    _run(t, arms, caps, model, sequential, timing, fmt, plot_path, quiet)
+    _run(load_trace(trace, trace_format), arms, plot_path, **options)
 
 
 @click.command()
@@ -164,26 +169,13 @@ def replay(
 )
 @click.option("--plot", "plot_path", default="kvplug-ab.png", show_default=True)
 @_with_common
-def ab(
-    trace_source,
-    plot_path,
-    model,
-    sequential,
-    capacity_blocks,
-    capacity_fractions,
-    fmt,
-    prefill_tps,
-    decode_tps,
-    quiet,
-) -> None:
+def ab(trace_source: str | None, plot_path: str, **options) -> None:
     """A/B: kvplug's cost and lru policies, Belady's offline bound, and each engine's own
     stock cache (vLLM's KVCacheManager, SGLang's radix cache), on one trace, at several
     cache sizes. Stock arms whose engine is not installed are reported as unavailable."""
-    t = load_trace(trace_source) if trace_source else read_trace(bundled_trace_path())
+    trace = load_trace(trace_source) if trace_source else read_trace(bundled_trace_path())
     arms = ["cost", "lru", "belady", "vllm-stock", "sglang-stock:lru"]
     for engine in ("vllm", "sglang"):
-        if importlib.util.find_spec(engine) is None and not quiet:
+        if importlib.util.find_spec(engine) is None and not options["quiet"]:
             click.echo(f"  note: {engine} is not installed; its stock arm is unavailable", err=True)
-    timing = Timing(prefill_tps, decode_tps)
-    caps = capacities_for(t, capacity_blocks, capacity_fractions)
-    _run(t, arms, caps, model, sequential, timing, fmt, plot_path, quiet)
+    _run(trace, arms, plot_path, **options)
