@@ -12,6 +12,7 @@ only what it keeps.
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -30,6 +31,23 @@ class ArmStats:
 
 class ArmUnavailable(Exception):
     """The arm's engine is not installed (or not a supported version) here."""
+
+
+def require_engine(module: str, name: str, version: str, arm: str, install: str) -> None:
+    """Raise `ArmUnavailable` unless `module` imports and is exactly `version`."""
+    try:
+        engine = importlib.import_module(module)
+    except Exception as exc:  # any import failure means the engine cannot run here
+        raise ArmUnavailable(
+            f"the {arm} arm needs {name} {version}, which is not importable here ({exc}); "
+            f"install it with {install}"
+        ) from exc
+    found = getattr(engine, "__version__", "unknown")
+    if found != version:
+        raise ArmUnavailable(
+            f"the {arm} arm supports {name} {version} only, but {name} {found} is installed; "
+            "its cache code may differ"
+        )
 
 
 class CacheArm(ABC):

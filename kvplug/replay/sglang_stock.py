@@ -62,7 +62,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from kvplug.errors import UnknownPolicyError
-from kvplug.replay.arms import ArmStats, ArmUnavailable, CacheArm
+from kvplug.replay.arms import ArmStats, ArmUnavailable, CacheArm, require_engine
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -72,20 +72,10 @@ DEFAULT_MAX_RUNNING_REQUESTS = 1024
 
 
 def _check_sglang() -> None:
-    """Raise `ArmUnavailable` unless the supported SGLang version is importable."""
-    try:
-        import sglang
-    except Exception as exc:  # any import failure means the engine cannot run here
-        raise ArmUnavailable(
-            f"the sglang-stock arm needs SGLang {SUPPORTED_SGLANG_VERSION}, which is not "
-            f"importable here ({exc}); install it with requirements/sglang-replay.txt"
-        ) from exc
-    found = getattr(sglang, "__version__", "unknown")
-    if found != SUPPORTED_SGLANG_VERSION:
-        raise ArmUnavailable(
-            f"the sglang-stock arm supports SGLang {SUPPORTED_SGLANG_VERSION} only, but "
-            f"SGLang {found} is installed; its radix cache may differ"
-        )
+    require_engine(
+        "sglang", "SGLang", SUPPORTED_SGLANG_VERSION, "sglang-stock",
+        "requirements/sglang-replay.txt",
+    )  # fmt: skip
 
 
 def _check_native_hash() -> None:

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvplug.replay.arms import ArmStats, ArmUnavailable, CacheArm
+from kvplug.replay.arms import ArmStats, CacheArm, require_engine
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -64,20 +64,9 @@ _MAX_MODEL_LEN = 1 << 62  # no request is cut short by the model length
 
 
 def _check_vllm() -> None:
-    """Raise `ArmUnavailable` unless the supported vLLM version is importable."""
-    try:
-        import vllm
-    except ImportError as exc:
-        raise ArmUnavailable(
-            f"the vllm-stock arm needs vLLM {SUPPORTED_VLLM_VERSION}, which is not "
-            f"importable here ({exc}); install it with `pip install 'kvplug[vllm]'`"
-        ) from exc
-    found = getattr(vllm, "__version__", "unknown")
-    if found != SUPPORTED_VLLM_VERSION:
-        raise ArmUnavailable(
-            f"the vllm-stock arm supports vLLM {SUPPORTED_VLLM_VERSION} only, but vLLM "
-            f"{found} is installed; its block manager may differ"
-        )
+    require_engine(
+        "vllm", "vLLM", SUPPORTED_VLLM_VERSION, "vllm-stock", "`pip install 'kvplug[vllm]'`"
+    )
 
 
 class VLLMStockArm(CacheArm):
