@@ -292,4 +292,4 @@ def test_installing_kvplug_registers_no_engine_hooks() -> None:
     from importlib.metadata import distribution
 
     groups = {ep.group for ep in distribution("kvplug").entry_points}
-    assert groups <= {"console_scripts", "kvplug.policies"}, groups
+    assert groups <= {"console_scripts", "kvplug.policies", "vllm.general_plugins"}, groups

@@ -1,0 +1,259 @@
+"""The scheduler vLLM builds when started with ``--scheduler-cls kvplug.vllm.Scheduler``.
+
+`Scheduler` is a factory: it takes the class vLLM would have used (``AsyncScheduler``
+when async scheduling is on, else ``Scheduler``) and returns an instance of a subclass
+whose only differences are
+
+- its KV cache manager's block pool is a `KVPlugBlockPool`, so kvplug's policy decides
+  evictions (vLLM's coordinator builds the pool; kvplug swaps the class it builds, for
+  the duration of the constructor only);
+- each request's prefix keys carry kvplug's namespace (model revision, tokenizer and
+  tenant) on top of what vLLM hashes already (LoRA, multimodal inputs, ``cache_salt``);
+- it keeps `PoolStats` and publishes them for ``/metrics``.
+
+Everything else (batching, preemption, KV events, vLLM's own metrics) is vLLM's code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import xxhash
+from vllm.v1.core import kv_cache_coordinator
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched import scheduler as vllm_scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from kvplug.config import KVPlugConfig
+from kvplug.cost import ModelSpec, load_model
+from kvplug.errors import ConfigError
+from kvplug.policies import make_policy
+from kvplug.policies.base import EvictionPolicy
+from kvplug.vllm.pool import KVPlugBlockPool, Release
+from kvplug.vllm.stats import METRICS_DIR_ENV, PoolStats, SnapshotWriter
+from kvplug.vllm.version import check_vllm_version
+
+logger = logging.getLogger("vllm.kvplug")
+
+TENANT_ARG = "kvplug_tenant"  # per request: SamplingParams.extra_args / OpenAI vllm_xargs
+OFFLINE_POLICIES = {"belady": "it needs every request in advance (use it in kvplug replay)"}
+
+
+def Scheduler(**kwargs: Any) -> Any:  # noqa: N802 - vLLM calls it like a class
+    """Build the scheduler vLLM would have built, with kvplug's pool inside."""
+    vllm_config = kwargs["vllm_config"]
+    return scheduler_class(bool(vllm_config.scheduler_config.async_scheduling))(**kwargs)
+
+
+@functools.cache
+def scheduler_class(async_scheduling: bool) -> type:
+    """vLLM's scheduler class for this mode, with `KVPlugSchedulerMixin` in front."""
+    if async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
+    else:
+        base = vllm_scheduler.Scheduler
+    return type(f"KVPlug{base.__name__}", (KVPlugSchedulerMixin, base), {})
+
+
+def load_config(vllm_config: Any) -> KVPlugConfig:
+    """``additional_config["kvplug"]`` if given, else ``$KVPLUG_CONFIG``, else defaults."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if "kvplug" in extra:
+        try:
+            return KVPlugConfig.load({"kvplug": extra["kvplug"]})
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (from --additional-config)") from exc
+    return KVPlugConfig.load(None)
+
+
+def model_spec(vllm_config: Any) -> ModelSpec:
+    """The served model's shape, for FLOPs estimates; a preset if it cannot be read."""
+    model_config = vllm_config.model_config
+    try:
+        text_config = model_config.hf_text_config.to_dict()
+        return ModelSpec.from_hf_config(text_config, name=str(model_config.model))
+    except Exception:  # an architecture kvplug cannot read: estimates use the default model
+        return load_model(None)
+
+
+def build_policy(config: KVPlugConfig, vllm_config: Any) -> EvictionPolicy:
+    if config.policy in OFFLINE_POLICIES:
+        raise ConfigError(
+            f"kvplug config: policy {config.policy!r} cannot run in a server: "
+            f"{OFFLINE_POLICIES[config.policy]}"
+        )
+    params = dict(config.policy_config)
+    if config.policy == "cost" and "model" not in params:
+        params["model"] = model_spec(vllm_config)
+    return make_policy(config.policy, **params)
+
+
+_swap_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _swapped(module: Any, name: str, replacement: Any) -> Iterator[None]:
+    """Rebind `module.name` to `replacement` for the duration of the block."""
+    original = getattr(module, name)
+    setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+class KVPlugKVCacheManager(KVCacheManager):
+    """vLLM's KV cache manager; it notes each request's prefix hit and tells the pool
+    which request is releasing blocks."""
+
+    block_pool: KVPlugBlockPool
+
+    def get_computed_blocks(self, request: Any) -> Any:
+        result = super().get_computed_blocks(request)  # (blocks, hit tokens, ...)
+        if request.num_output_tokens == 0:  # its first prefill, not a resume
+            request.kvplug_matched_tokens = result[1]
+        return result
+
+    def free(self, request: Any) -> None:
+        self.block_pool.releasing = Release(
+            output_tokens=request.num_output_tokens,
+            request_hit=matched_tokens(request) > 0,
+        )
+        try:
+            super().free(request)
+        finally:
+            self.block_pool.releasing = Release()
+
+
+class KVPlugSchedulerMixin:
+    """The kvplug part of the scheduler; placed before vLLM's class in the MRO."""
+
+    kv_cache_manager: KVPlugKVCacheManager
+
+    def __init__(self, **kwargs: Any) -> None:
+        vllm_config = kwargs["vllm_config"]
+        config = load_config(vllm_config)
+        check_vllm_version(strict=config.strict_version)
+        _check_block_size(config, vllm_config)
+        policy = build_policy(config, vllm_config)
+        with (
+            _swap_lock,
+            _swapped(kv_cache_coordinator, "BlockPool", KVPlugBlockPool),
+            _swapped(vllm_scheduler, "KVCacheManager", KVPlugKVCacheManager),
+        ):
+            super().__init__(**kwargs)  # type: ignore[call-arg]
+        kv_cache_config = kwargs["kv_cache_config"]
+        self.kvplug_config = config
+        self.kvplug_stats = PoolStats()
+        self.kvplug_pool: KVPlugBlockPool = self.kv_cache_manager.block_pool
+        tree_groups = {
+            i
+            for i, group in enumerate(kv_cache_config.kv_cache_groups)
+            if type(group.kv_cache_spec) is FullAttentionSpec
+        }
+        self.kvplug_pool.use_policy(policy, self.kvplug_stats, tree_groups)
+        self._bytes_per_block = _bytes_per_block(kv_cache_config)
+        self._model = model_spec(vllm_config)
+        self._namespace = _namespace_parts(config, vllm_config)
+        self._snapshots: SnapshotWriter | None = None
+        if os.environ.get(METRICS_DIR_ENV):
+            dp_rank = vllm_config.parallel_config.data_parallel_rank
+            self._snapshots = SnapshotWriter(engine=str(dp_rank))
+        logger.info(
+            "kvplug is active: policy=%s %s, %d blocks of %d tokens, %d KV cache group(s) "
+            "(%s), prefix caching %s",
+            config.policy,
+            config.policy_config or "(defaults)",
+            kv_cache_config.num_blocks,
+            kwargs.get("block_size"),
+            len(kv_cache_config.kv_cache_groups),
+            type(self.kv_cache_manager.coordinator).__name__,
+            "on" if self.kvplug_pool.enable_caching else "off",
+        )
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(self, request: Any) -> None:
+        if request.request_id not in self.requests:  # type: ignore[attr-defined]
+            self._apply_namespace(request)
+        super().add_request(request)  # type: ignore[misc]
+
+    def _apply_namespace(self, request: Any) -> None:
+        """Salt the request's first block with kvplug's namespace and rehash its blocks."""
+        if getattr(request, "_block_hasher", None) is None:
+            return  # prefix caching is off: nothing is keyed
+        extra_args = getattr(request.sampling_params, "extra_args", None) or {}
+        tenant = self._namespace["tenant"]
+        if not self.kvplug_config.namespace.share_across_tenants:
+            tenant = str(extra_args.get(TENANT_ARG, tenant))
+        parts = [*self._namespace.values(), tenant, request.cache_salt or ""]
+        request.cache_salt = "kvplug:" + xxhash.xxh3_128_hexdigest("\x1f".join(parts).encode())
+        request.block_hashes = []
+        request.update_block_hashes()
+
+    def _free_request(self, request: Any, delay_free_blocks: bool = False) -> Any:
+        stats = self.kvplug_stats
+        prompt = request.num_prompt_tokens
+        matched = matched_tokens(request)
+        stats.requests += 1
+        stats.prompt_tokens += prompt
+        stats.matched_tokens += matched
+        stats.prompt_flops += self._model.prefill_flops(0, prompt)
+        stats.saved_flops += self._model.prefill_flops(0, matched)
+        return super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
+
+    # -- statistics -----------------------------------------------------------------------
+    def make_stats(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().make_stats(*args, **kwargs)  # type: ignore[misc]
+        if self._snapshots is not None and result is not None:
+            self.refresh_kvplug_gauges()
+            self._snapshots.write(self.kvplug_stats, self.kvplug_config.policy)
+        return result
+
+    def refresh_kvplug_gauges(self) -> PoolStats:
+        stats = self.kvplug_stats
+        stats.cached_blocks = self.kvplug_pool.num_cached_blocks()
+        stats.bytes_held = stats.cached_blocks * self._bytes_per_block
+        deferred = self.deferred_frees  # type: ignore[attr-defined]
+        stats.deferred_blocks = sum(len(blocks) for _, blocks in deferred)
+        step = self.sched_step_seq  # type: ignore[attr-defined]
+        stats.deferred_age_steps = max((step - seq for seq, _ in deferred), default=0)
+        return stats
+
+
+def matched_tokens(request: Any) -> int:
+    """Prompt tokens its first prefill found in the prefix cache (0 if never scheduled)."""
+    return getattr(request, "kvplug_matched_tokens", 0)
+
+
+def _check_block_size(config: KVPlugConfig, vllm_config: Any) -> None:
+    engine_block_size = vllm_config.cache_config.block_size
+    if config.block_size is not None and config.block_size != engine_block_size:
+        raise ConfigError(
+            f"kvplug config: block_size {config.block_size} cannot be served: vLLM allocated "
+            f"its KV cache in blocks of {engine_block_size} tokens; start vLLM with "
+            f"--block-size {config.block_size} or drop kvplug's block_size"
+        )
+
+
+def _bytes_per_block(kv_cache_config: Any) -> int:
+    total = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
+    return total // max(kv_cache_config.num_blocks, 1)
+
+
+def _namespace_parts(config: KVPlugConfig, vllm_config: Any) -> dict[str, str]:
+    """The request-independent part of the namespace, in a fixed order."""
+    model = vllm_config.model_config
+    return {
+        "model": str(model.model),
+        "revision": config.namespace.model_revision or str(model.revision or ""),
+        "tokenizer": str(model.tokenizer),
+        "tokenizer_revision": str(model.tokenizer_revision or ""),
+        "dtype": str(model.dtype),
+        "tenant": config.namespace.tenant,
+    }

@@ -1,0 +1,123 @@
+"""What kvplug counts inside vLLM, and how it reaches vLLM's ``/metrics`` endpoint.
+
+The scheduler (in vLLM's engine-core process) owns a `PoolStats`. `SnapshotWriter`
+writes it as JSON, at most a few times a second, into a folder that the API server
+process named in ``$KVPLUG_METRICS_DIR`` (kvplug's ``vllm.general_plugins`` entry point
+does this before the engine core is started, so the engine core inherits it) and where
+that process's `KVPlugCollector` reads it at each scrape, exposing ``kvplug_*``
+Prometheus metrics next to vLLM's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+METRICS_DIR_ENV = "KVPLUG_METRICS_DIR"
+
+
+@dataclass
+class PoolStats:
+    """Counters since start-up (except the gauges marked so)."""
+
+    requests: int = 0  # finished requests
+    prompt_tokens: int = 0
+    matched_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_flops: float = 0.0  # prefill FLOPs of all prompts
+    saved_flops: float = 0.0  # prefill FLOPs of the matched prefixes
+    block_hits: int = 0  # cached blocks reused by a request
+    evictions: int = 0  # cached blocks evicted to make room
+    churn: int = 0  # evicted blocks cached again soon after (within a pool's worth)
+    cached_blocks: int = 0  # gauge: blocks with a reusable hash
+    bytes_held: int = 0  # gauge: bytes of those blocks
+    deferred_blocks: int = 0  # gauge: blocks freed but not yet returned (in-flight writes)
+    deferred_age_steps: int = 0  # gauge: scheduler steps the oldest of those has waited
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+HELP = {
+    "requests": "Finished requests seen by kvplug",
+    "prompt_tokens": "Prompt tokens of finished requests",
+    "matched_tokens": "Prompt tokens served from kvplug's prefix cache",
+    "prompt_flops": "Prefill FLOPs of all prompts (model estimate)",
+    "saved_flops": "Prefill FLOPs saved by prefix-cache hits (model estimate)",
+    "block_hits": "Cached blocks reused by requests",
+    "evictions": "Cached blocks evicted by kvplug's policy",
+    "churn": "Evicted blocks cached again within a pool's worth of evictions",
+    "cached_blocks": "Blocks holding reusable KV state",
+    "bytes_held": "Bytes of KV cache holding reusable state",
+    "deferred_blocks": "Freed blocks held back until in-flight writes end",
+    "deferred_age_steps": "Scheduler steps the oldest deferred release has waited",
+}
+GAUGES = {"cached_blocks", "bytes_held", "deferred_blocks", "deferred_age_steps"}
+
+
+def claim_metrics_dir() -> Path:
+    """Name this process's snapshot folder in the environment its children inherit
+    (unless a parent already did) and return it."""
+    if not os.environ.get(METRICS_DIR_ENV):
+        path = Path(tempfile.gettempdir()) / f"kvplug-metrics-{os.getpid()}"
+        os.environ[METRICS_DIR_ENV] = str(path)
+    return Path(os.environ[METRICS_DIR_ENV])
+
+
+class SnapshotWriter:
+    """Writes `PoolStats` snapshots into the folder named by ``$KVPLUG_METRICS_DIR``."""
+
+    def __init__(self, engine: str, interval_s: float = 0.25) -> None:
+        self.path = Path(os.environ[METRICS_DIR_ENV]) / f"engine-{engine}.json"
+        self.interval_s = interval_s
+        self._last = 0.0
+
+    def write(self, stats: PoolStats, policy: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < self.interval_s:
+            return
+        self._last = now
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"policy": policy, **stats.as_dict()}))
+        tmp.replace(self.path)  # atomic: a scrape never sees half a file
+
+
+def read_snapshots(directory: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(engine, snapshot) for each engine that has written one."""
+    if not directory.is_dir():
+        return
+    for path in sorted(directory.glob("engine-*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # being replaced right now; the next scrape reads it
+        yield path.stem.removeprefix("engine-"), data
+
+
+class KVPlugCollector:
+    """A prometheus_client collector over the snapshots in `directory`. It yields nothing
+    until a kvplug scheduler has written one, so without kvplug enabled ``/metrics`` is
+    unchanged."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snapshots = list(read_snapshots(self.directory))
+        if not snapshots:
+            return
+        labels = ["engine", "policy"]
+        for field, text in HELP.items():
+            family_cls = GaugeMetricFamily if field in GAUGES else CounterMetricFamily
+            family = family_cls(f"kvplug_{field}", text, labels=labels)
+            for engine, data in snapshots:
+                family.add_metric([engine, data["policy"]], data[field])
+            yield family
