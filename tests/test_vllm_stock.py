@@ -19,7 +19,13 @@ from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kvplug.policies import make_policy  # noqa: E402
-from kvplug.replay.arms import FRESH_UNIT_BASE, ArmStats, ArmUnavailable, KVPlugArm  # noqa: E402
+from kvplug.replay.arms import (  # noqa: E402
+    FRESH_UNIT_BASE,
+    ArmStats,
+    ArmUnavailable,
+    CacheArm,
+    KVPlugArm,
+)
 from kvplug.replay.vllm_stock import SUPPORTED_VLLM_VERSION, VLLMStockArm  # noqa: E402
 
 F = FRESH_UNIT_BASE
@@ -45,9 +51,12 @@ operations = st.lists(
 prefix_sets = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=8), min_size=1, max_size=3)
 
 
-def replay_both(capacity: int, prefixes: list[list[int]], ops: list[tuple]) -> None:
-    """Apply `ops` to kvplug's lru arm and to the vLLM arm; fail at the first difference."""
-    lru = KVPlugArm("lru", make_policy("lru"), capacity)
+def replay_both(
+    capacity: int, prefixes: list[list[int]], ops: list[tuple], lru: CacheArm | None = None
+) -> None:
+    """Apply `ops` to an lru arm (kvplug's core cache unless given) and to the vLLM arm;
+    fail at the first difference."""
+    lru = lru or KVPlugArm("lru", make_policy("lru"), capacity)
     stock = VLLMStockArm(capacity)
     fresh = count(F)
     running: list[int] = []
@@ -97,6 +106,14 @@ def replay_both(capacity: int, prefixes: list[list[int]], ops: list[tuple]) -> N
 @given(capacity=st.integers(2, 32), prefixes=prefix_sets, ops=operations)
 def test_lru_matches_vllm_hit_for_hit(capacity, prefixes, ops):
     replay_both(capacity, prefixes, ops)
+
+
+@settings(max_examples=200, deadline=None)
+@given(capacity=st.integers(2, 32), prefixes=prefix_sets, ops=operations)
+def test_kvplug_pool_with_lru_matches_vllm_hit_for_hit(capacity, prefixes, ops):
+    """vLLM's manager with kvplug's block pool (``--scheduler-cls kvplug.vllm.Scheduler``)
+    and the lru policy evicts exactly what vLLM's own pool evicts."""
+    replay_both(capacity, prefixes, ops, lru=VLLMStockArm(capacity, make_policy("lru")))
 
 
 def test_shared_prefix_eviction_and_full_hit():

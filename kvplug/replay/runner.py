@@ -1,9 +1,11 @@
 """Run a trace through several arms at several capacities and collect one row per pair.
 
 Arm names: any registered kvplug policy (``lru``, ``cost``, ``belady``, ...), ``vllm-stock``
-(vLLM's own KVCacheManager) and ``sglang-stock:<policy>`` (SGLang's own radix cache with
-its eviction policy ``<policy>``). A stock arm whose engine is not installed is reported
-as unavailable, never replaced by something else.
+(vLLM's own KVCacheManager), ``vllm-kvplug:<policy>`` (that same manager with kvplug's
+block pool, as ``--scheduler-cls kvplug.vllm.Scheduler`` builds it; any online policy) and
+``sglang-stock:<policy>`` (SGLang's own radix cache with its eviction policy ``<policy>``).
+An arm whose engine is not installed is reported as unavailable, never replaced by
+something else.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvplug.replay.loop import Job, Timing, make_jobs, replay
 from kvplug.replay.trace import Trace
 
 STOCK_ARMS = ("vllm-stock", "sglang-stock")
+ENGINE_ARMS = ("vllm-kvplug",)  # kvplug's pool inside an engine's own cache manager
 
 
 @dataclass
@@ -54,8 +57,11 @@ def check_arm_names(names: list[str]) -> None:
         base = name.split(":", 1)[0]
         if name in known or base in STOCK_ARMS:
             continue
+        if base in ENGINE_ARMS and name.partition(":")[2] in set(known) - {"belady"}:
+            continue
         raise UnknownPolicyError(
-            f"unknown arm {name!r}; accepted: {', '.join(known)}, vllm-stock, sglang-stock:<policy>"
+            f"unknown arm {name!r}; accepted: {', '.join(known)}, vllm-stock, "
+            "sglang-stock:<policy>, vllm-kvplug:<kvplug policy>"
         )
 
 
@@ -65,6 +71,12 @@ def build_arm(name: str, capacity: int, jobs: list[Job], sequential: bool, bt: i
         from kvplug.replay.vllm_stock import VLLMStockArm
 
         return VLLMStockArm(capacity)
+    if name.startswith("vllm-kvplug:"):
+        from kvplug.replay.vllm_stock import VLLMStockArm
+
+        policy = name.partition(":")[2]
+        params = {"tokens_per_block": bt} if policy in ("cost", "gdsf") else {}
+        return VLLMStockArm(capacity, policy=make_policy(policy, **params))
     if name.startswith("sglang-stock"):
         from kvplug.replay.sglang_stock import SGLangStockArm
 

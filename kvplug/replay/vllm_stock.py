@@ -58,6 +58,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
 
+    from kvplug.policies.base import EvictionPolicy
+
 SUPPORTED_VLLM_VERSION = "0.32.0"
 HASH_ALGORITHM = "sha256"  # vLLM's default CacheConfig.prefix_caching_hash_algo
 _MAX_MODEL_LEN = 1 << 62  # no request is cut short by the model length
@@ -70,11 +72,16 @@ def _check_vllm() -> None:
 
 
 class VLLMStockArm(CacheArm):
-    """vLLM's `KVCacheManager` with prefix caching and ``capacity_blocks`` usable blocks."""
+    """vLLM's `KVCacheManager` with prefix caching and ``capacity_blocks`` usable blocks.
+
+    Given a kvplug `policy`, it is the ``vllm-kvplug:<policy>`` arm instead: the same vLLM
+    manager, built the way ``--scheduler-cls kvplug.vllm.Scheduler`` builds it, with
+    kvplug's `KVPlugBlockPool` choosing the evictions. Everything else is the same code.
+    """
 
     name = "vllm-stock"
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, policy: EvictionPolicy | None = None) -> None:
         _check_vllm()
         import torch
         from vllm.sampling_params import SamplingParams
@@ -96,7 +103,7 @@ class VLLMStockArm(CacheArm):
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
         )
-        self.manager = KVCacheManager(
+        manager_kwargs = dict(
             kv_cache_config=config,
             max_model_len=_MAX_MODEL_LEN,
             scheduler_block_size=1,
@@ -104,6 +111,13 @@ class VLLMStockArm(CacheArm):
             enable_caching=True,
             enable_kv_cache_events=True,
         )
+        if policy is None:
+            self.manager = KVCacheManager(**manager_kwargs)
+        else:
+            from kvplug.vllm.scheduler import build_kvplug_manager
+
+            self.name = f"vllm-kvplug:{policy.name}"
+            self.manager = build_kvplug_manager(policy, **manager_kwargs)
         hash_fn = get_hash_fn_by_name(HASH_ALGORITHM)
         init_none_hash(hash_fn)
         self._block_hasher = get_request_block_hasher(1, hash_fn)

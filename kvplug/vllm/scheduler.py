@@ -131,6 +131,20 @@ class KVPlugKVCacheManager(KVCacheManager):
             self.block_pool.releasing = Release()
 
 
+def build_kvplug_manager(policy: EvictionPolicy, **kwargs: Any) -> KVPlugKVCacheManager:
+    """A `KVPlugKVCacheManager` built from vLLM's own arguments, its pool ranked by `policy`."""
+    with _swap_lock, _swapped(kv_cache_coordinator, "BlockPool", KVPlugBlockPool):
+        manager = KVPlugKVCacheManager(**kwargs)
+    groups = kwargs["kv_cache_config"].kv_cache_groups
+    manager.block_pool.use_policy(policy, PoolStats(), tree_groups(groups))
+    return manager
+
+
+def tree_groups(groups: list[Any]) -> set[int]:
+    """The KV cache groups whose hits need every block before them (full attention)."""
+    return {i for i, group in enumerate(groups) if type(group.kv_cache_spec) is FullAttentionSpec}
+
+
 class KVPlugSchedulerMixin:
     """The kvplug part of the scheduler; placed before vLLM's class in the MRO."""
 
@@ -152,12 +166,8 @@ class KVPlugSchedulerMixin:
         self.kvplug_config = config
         self.kvplug_stats = PoolStats()
         self.kvplug_pool: KVPlugBlockPool = self.kv_cache_manager.block_pool
-        tree_groups = {
-            i
-            for i, group in enumerate(kv_cache_config.kv_cache_groups)
-            if type(group.kv_cache_spec) is FullAttentionSpec
-        }
-        self.kvplug_pool.use_policy(policy, self.kvplug_stats, tree_groups)
+        groups = tree_groups(kv_cache_config.kv_cache_groups)
+        self.kvplug_pool.use_policy(policy, self.kvplug_stats, groups)
         self._bytes_per_block = _bytes_per_block(kv_cache_config)
         self._model = model_spec(vllm_config)
         self._namespace = _namespace_parts(config, vllm_config)
