@@ -222,7 +222,9 @@ class KVPlugSchedulerMixin:
         result = super().make_stats(*args, **kwargs)  # type: ignore[misc]
         if self._snapshots is not None and result is not None:
             self.refresh_kvplug_gauges()
-            self._snapshots.write(self.kvplug_stats, self.kvplug_config.policy)
+            idle = not self.requests  # type: ignore[attr-defined]
+            # Rate-limited while busy; the state the engine goes idle in is always written.
+            self._snapshots.write(self.kvplug_stats, self.kvplug_config.policy, force=idle)
         return result
 
     def refresh_kvplug_gauges(self) -> PoolStats:
