@@ -287,7 +287,7 @@ def test_ab_runs_on_the_bundled_trace(tmp_path) -> None:
     args = ["ab", "--capacity-blocks", "100,400", "--plot", str(tmp_path / "ab.png"), "--quiet"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    for arm in ("cost", "lru", "belady", "vllm-stock", "sglang-stock:lru"):
+    for arm in ("cost", "lru", "belady", "vllm-stock", "vllm-kvplug:cost", "sglang-stock:lru"):
         assert arm in result.output
     assert (tmp_path / "ab.png").exists()
 

@@ -15,6 +15,7 @@ from kvplug.replay.runner import check_arm_names, run_replay
 from kvplug.replay.synthetic import synthetic_trace
 from kvplug.replay.trace import FORMATS as TRACE_FORMATS
 from kvplug.replay.trace import Trace, read_trace
+from kvplug.serving.workload import WORKLOADS
 
 DEFAULT_FRACTIONS = "0.02,0.05,0.1,0.25"
 BUNDLED_TRACE = "synthetic-mixed.jsonl"
@@ -139,7 +140,8 @@ def _with_common(fn):
     "policies",
     default="lru,cost,belady,vllm-stock",
     show_default=True,
-    help="Arms, comma-separated: kvplug policies, vllm-stock, sglang-stock:<policy>.",
+    help="Arms, comma-separated: kvplug policies, vllm-stock, vllm-kvplug:<policy>, "
+    "sglang-stock:<policy>.",
 )
 @click.option(
     "--trace-format",
@@ -160,22 +162,99 @@ def replay(trace: str, policies: str, trace_format: str | None, plot_path, **opt
     _run(load_trace(trace, trace_format), arms, plot_path, **options)
 
 
+# `ab` options for each engine; giving one to the other engine is an error.
+_REPLAY_ONLY = ("trace_source", "sequential", "capacity_blocks", "capacity_fractions",
+                "prefill_tps", "decode_tps")  # fmt: skip
+_VLLM_ONLY = ("workload", "num_blocks", "requests", "concurrency", "kvplug_config", "json_path")
+
+
 @click.command()
+@click.option(
+    "--engine",
+    type=click.Choice(["replay", "vllm"]),
+    default="replay",
+    show_default=True,
+    help="replay: the trace replay. vllm: a stock vLLM server against a kvplug one, over "
+    "HTTP (needs vllm installed and --model DIR).",
+)
 @click.option(
     "--trace",
     "trace_source",
     default=None,
     help="Default: the bundled synthetic trace (agents, chats, shared prompts).",
 )
-@click.option("--plot", "plot_path", default="kvplug-ab.png", show_default=True)
+@click.option(
+    "--plot",
+    "plot_path",
+    default=None,
+    help="Default: kvplug-ab.png (replay), kvplug-ab-vllm.png (vllm).",
+)
+@click.option(
+    "--workload",
+    type=click.Choice(WORKLOADS),
+    default="mixed",
+    show_default=True,
+    help="vllm: the requests sent.",
+)
+@click.option(
+    "--num-blocks",
+    type=click.IntRange(min=2),
+    default=128,
+    show_default=True,
+    help="vllm: KV blocks per server.",
+)
+@click.option(
+    "--requests",
+    type=click.IntRange(min=1),
+    default=400,
+    show_default=True,
+    help="vllm: requests per arm.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="vllm: most requests in flight (a chat keeps its slot between turns).",
+)
+@click.option(
+    "--kvplug-config",
+    default=None,
+    help='vllm: the kvplug arm\'s settings, a JSON object such as \'{"policy": "cost"}\'.',
+)
+@click.option("--json", "json_path", default=None, help="vllm: also write the results here.")
 @_with_common
-def ab(trace_source: str | None, plot_path: str, **options) -> None:
+@click.pass_context
+def ab(
+    ctx: click.Context, engine: str, trace_source: str | None, plot_path: str | None, **options
+) -> None:
     """A/B: kvplug's cost and lru policies, Belady's offline bound, and each engine's own
     stock cache (vLLM's KVCacheManager, SGLang's radix cache), on one trace, at several
-    cache sizes. Stock arms whose engine is not installed are reported as unavailable."""
+    cache sizes. Stock arms whose engine is not installed are reported as unavailable.
+
+    With --engine vllm: a stock vLLM server, then a kvplug one (--scheduler-cls
+    kvplug.vllm.Scheduler), on the same model, KV budget and workload; TTFT, throughput,
+    cached tokens and saved prefill compute side by side."""
+    other = _REPLAY_ONLY if engine == "vllm" else _VLLM_ONLY
+    for name in other:
+        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
+            flag = next(p.opts[0] for p in ctx.command.params if p.name == name)
+            raise click.UsageError(f"{flag} does not apply to --engine {engine}")
+    vllm_options = {name: options.pop(name) for name in _VLLM_ONLY}
+    if engine == "vllm":
+        from kvplug.serving.cli import vllm_ab
+
+        if ctx.get_parameter_source("model") is click.core.ParameterSource.DEFAULT:
+            raise click.UsageError(
+                "--engine vllm needs --model DIR, a Hugging Face model directory "
+                "(config.json, weights, tokenizer)"
+            )
+        vllm_ab(model=options["model"], plot_path=plot_path, fmt=options["fmt"],
+                quiet=options["quiet"], **vllm_options)  # fmt: skip
+        return
     trace = load_trace(trace_source) if trace_source else read_trace(bundled_trace_path())
-    arms = ["cost", "lru", "belady", "vllm-stock", "sglang-stock:lru"]
+    arms = ["cost", "lru", "belady", "vllm-stock", "vllm-kvplug:cost", "sglang-stock:lru"]
     for engine in ("vllm", "sglang"):
         if importlib.util.find_spec(engine) is None and not options["quiet"]:
             click.echo(f"  note: {engine} is not installed; its stock arm is unavailable", err=True)
-    _run(trace, arms, plot_path, **options)
+    _run(trace, arms, plot_path or "kvplug-ab.png", **options)

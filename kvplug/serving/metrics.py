@@ -1,0 +1,110 @@
+"""The Prometheus text a server returns on ``GET /metrics``, summed over label sets.
+
+vLLM names its prefix-cache counters ``vllm:prefix_cache_queries`` and
+``vllm:prefix_cache_hits`` (in tokens); the text format adds ``_total`` to counters. The
+kvplug scheduler exports its own families named ``kvplug_*`` or ``kvplug:*``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+PREEMPTIONS = "vllm:num_preemptions"
+KVPLUG_PREFIXES = ("kvplug_", "kvplug:")
+_SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
+_CUMULATIVE = {"counter", "histogram", "summary"}
+
+
+@dataclass
+class Metrics:
+    """Sample name -> value summed over its label sets, and family name -> type."""
+
+    values: dict[str, float] = field(default_factory=dict)
+    types: dict[str, str] = field(default_factory=dict)
+
+    def family(self, sample: str) -> str:
+        if sample in self.types:
+            return sample
+        for suffix in _SUFFIXES:
+            if sample.endswith(suffix) and sample.removesuffix(suffix) in self.types:
+                return sample.removesuffix(suffix)
+        return sample
+
+    def get(self, name: str) -> float | None:
+        """A counter by its family name (``_total`` added if needed), or any sample."""
+        for sample in (name + "_total", name):
+            if sample in self.values:
+                return self.values[sample]
+        return None
+
+    def since(self, before: Metrics) -> Metrics:
+        """Counters, histograms and summaries as increments since `before`; gauges as now.
+        ``_created`` timestamps are dropped."""
+        values = {}
+        for sample, value in self.values.items():
+            if sample.endswith("_created"):
+                continue
+            if self.types.get(self.family(sample)) in _CUMULATIVE:
+                value -= before.values.get(sample, 0.0)
+            values[sample] = value
+        return Metrics(values, dict(self.types))
+
+    def kvplug(self) -> dict[str, float]:
+        """kvplug's own samples (no histogram buckets, no ``_created``), sorted by name."""
+        return {
+            name: value
+            for name, value in sorted(self.values.items())
+            if name.startswith(KVPLUG_PREFIXES) and not name.endswith(("_bucket", "_created"))
+        }
+
+
+def parse_metrics(text: str) -> Metrics:
+    """Parse the Prometheus text exposition format; malformed lines are skipped."""
+    metrics = Metrics()
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            parts = line.split()
+            if len(parts) >= 4 and parts[1] == "TYPE":
+                metrics.types[parts[2]] = parts[3]
+            continue
+        name, value = _sample(line)
+        if name is None:
+            continue
+        metrics.values[name] = metrics.values.get(name, 0.0) + value
+    return metrics
+
+
+def _sample(line: str) -> tuple[str | None, float]:
+    """``name{labels} value [timestamp]`` -> (name, value); (None, 0) if malformed."""
+    if "{" in line:
+        name, _, rest = line.partition("{")
+        # label values may hold spaces or braces inside quotes: find the closing brace
+        end, quoted, escaped = -1, False, False
+        for i, ch in enumerate(rest):
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                quoted = not quoted
+            elif ch == "}" and not quoted:
+                end = i
+                break
+        if end < 0:
+            return None, 0.0
+        fields = rest[end + 1 :].split()
+    else:
+        name, *fields = line.split()
+    try:
+        value = float(fields[0])
+    except (IndexError, ValueError):
+        return None, 0.0
+    if not name or math.isnan(value):
+        return None, 0.0
+    return name.strip(), value

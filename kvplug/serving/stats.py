@@ -1,0 +1,121 @@
+"""Percentiles, and one arm's summary: latency, throughput, cached tokens, saved compute."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from kvplug.cost import ModelSpec
+from kvplug.serving.client import RequestResult
+from kvplug.serving.metrics import PREEMPTIONS, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, Metrics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q`-th percentile (0-100), interpolating linearly between the closest ranks
+    (numpy's default); NaN for no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} is not in [0, 100]")
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def ratio(part: float, whole: float) -> float:
+    return part / whole if whole else 0.0
+
+
+@dataclass
+class ArmSummary:
+    """One arm of the A/B. Ratios are fractions in [0, 1]; `available` is False when the
+    arm could not run, with the reason in `note`."""
+
+    arm: str
+    available: bool = True
+    note: str = ""
+    requests: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    duration_s: float = 0.0
+    ttft_p50_ms: float = math.nan
+    ttft_p99_ms: float = math.nan
+    request_throughput: float = 0.0  # succeeded requests per second
+    output_throughput: float = 0.0  # completion tokens per second
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    cached_token_ratio: float = 0.0
+    prefill_compute_saved: float = 0.0  # cached-prefix prefill FLOPs / all prompt FLOPs
+    mean_request_compute_saved: float = 0.0  # the same ratio per request, averaged
+    server_prefix_cache_queries: float | None = None
+    server_prefix_cache_hits: float | None = None
+    server_preemptions: float | None = None
+    kvplug_metrics: dict[str, float] = field(default_factory=dict)
+    startup_s: float = 0.0
+    errors: list[str] = field(default_factory=list)  # the first few distinct ones
+    log_path: str = ""
+    server_args: list[str] = field(default_factory=list)
+
+    @property
+    def server_prefix_hit_ratio(self) -> float | None:
+        if self.server_prefix_cache_queries is None or self.server_prefix_cache_hits is None:
+            return None
+        return ratio(self.server_prefix_cache_hits, self.server_prefix_cache_queries)
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["server_prefix_hit_ratio"] = self.server_prefix_hit_ratio
+        return out
+
+
+def request_compute_saved(spec: ModelSpec, prompt_tokens: int, cached_tokens: int) -> float:
+    """Prefill FLOPs of the cached prefix over the prefill FLOPs of the whole prompt."""
+    cached = min(cached_tokens, prompt_tokens)
+    return ratio(spec.prefill_flops(0, cached), spec.prefill_flops(0, prompt_tokens))
+
+
+def summarize(
+    arm: str,
+    results: Sequence[RequestResult],
+    wall_s: float,
+    spec: ModelSpec,
+    metrics: Metrics | None = None,
+) -> ArmSummary:
+    """An arm's summary from its request results, the run's wall time, and the server's
+    metrics over the run (`Metrics.since` the start)."""
+    ok = [r for r in results if r.ok]
+    ttfts = [1000 * r.ttft_s for r in ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    completion = sum(r.completion_tokens for r in ok)
+    total_flops = sum(spec.prefill_flops(0, r.prompt_tokens) for r in ok)
+    saved_flops = sum(spec.prefill_flops(0, min(r.cached_tokens, r.prompt_tokens)) for r in ok)
+    per_request = [request_compute_saved(spec, r.prompt_tokens, r.cached_tokens) for r in ok]
+    summary = ArmSummary(
+        arm=arm,
+        requests=len(results),
+        succeeded=len(ok),
+        failed=len(results) - len(ok),
+        duration_s=wall_s,
+        ttft_p50_ms=percentile(ttfts, 50),
+        ttft_p99_ms=percentile(ttfts, 99),
+        request_throughput=ratio(len(ok), wall_s),
+        output_throughput=ratio(completion, wall_s),
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        completion_tokens=completion,
+        cached_token_ratio=ratio(cached, prompt),
+        prefill_compute_saved=ratio(saved_flops, total_flops),
+        mean_request_compute_saved=ratio(sum(per_request), len(per_request)),
+        errors=list(dict.fromkeys(r.error for r in results if r.error))[:5],
+    )
+    if metrics is not None:
+        summary.server_prefix_cache_queries = metrics.get(PREFIX_CACHE_QUERIES)
+        summary.server_prefix_cache_hits = metrics.get(PREFIX_CACHE_HITS)
+        summary.server_preemptions = metrics.get(PREEMPTIONS)
+        summary.kvplug_metrics = metrics.kvplug()
+    return summary
