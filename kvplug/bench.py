@@ -9,6 +9,9 @@
 
 Each figure is a rate measured here, not a target; the last column compares the per-op
 cost at each size with the smallest size, so growth with the cache size shows directly.
+
+`vllm-step` (needs vLLM) times vLLM's scheduler step with kvplug's block pool against
+vLLM's own; see `kvplug.vllm.bench`.
 """
 
 from __future__ import annotations
@@ -189,6 +192,69 @@ def replay_speed(requests: int, policies: str, capacity_fraction: float) -> None
     for name in policies.split(","):
         (row,) = run_replay(trace, [name], [capacity], load_model(None))
         click.echo(f"{name:<8} {row.seconds:>8.1f} {trace.prompt_blocks / row.seconds:>16,.0f}")
+
+
+@bench.command(name="vllm-step")
+@click.option(
+    "--blocks", default="10000,100000", show_default=True, help="KV cache sizes, in blocks."
+)
+@click.option("--steps", default=200, show_default=True, help="Timed steps per arm and size.")
+@click.option(
+    "--rounds", default=10, show_default=True, help="Interleaved rounds the steps are split in."
+)
+@click.option("--policies", default="lru,cost", show_default=True, help="kvplug arms.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the request stream.")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Also write the report as JSON to this file.",
+)
+def vllm_step(
+    blocks: str, steps: int, rounds: int, policies: str, seed: int, json_path: str | None
+) -> None:
+    """vLLM scheduler-step time with kvplug's block pool, against vLLM's own pool.
+
+    Real vLLM schedulers (no model) serve the same synthetic request stream with a full,
+    evicting pool; the table gives each arm's time per step and its ratio to stock.
+    Needs vLLM (pip install 'kvplug[vllm]').
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise click.ClickException(
+            "`kvplug bench vllm-step` needs vLLM, which is not installed "
+            "(pip install 'kvplug[vllm]')"
+        )
+    if steps < 1 or not 1 <= rounds <= steps:
+        raise click.BadParameter("need steps >= 1 and 1 <= rounds <= steps", param_hint="--rounds")
+    names = [name.strip() for name in policies.split(",") if name.strip()]
+    if not names or "stock" in names or len(set(names)) < len(names):
+        raise click.BadParameter(
+            "name one or more distinct kvplug policies (the stock arm always runs)",
+            param_hint="--policies",
+        )
+    from kvplug.vllm.bench import Workload, bench_vllm_step, format_table, report
+
+    workload = Workload(seed=seed)
+    results = bench_vllm_step(
+        _int_list(blocks),
+        names,
+        steps=steps,
+        rounds=rounds,
+        workload=workload,
+        progress=lambda line: click.echo(line, err=True),
+    )
+    click.echo(format_table(results))
+    click.echo(
+        "\nratio: this arm / stock (target <= 1.00x); rounds: range of the per-round ratios; "
+        "times in ms per step, this machine's CPU, one thread."
+    )
+    if json_path is not None:
+        with open(json_path, "w") as out:
+            json.dump(report(results, workload, steps, rounds), out, indent=2)
+        click.echo(f"wrote {json_path}", err=True)
 
 
 if __name__ == "__main__":

@@ -1,55 +1,68 @@
 """``kvplug bench vllm-step``: vLLM's scheduler step with kvplug's block pool against stock.
 
-What is measured: the wall time of one engine-core scheduler step, on this machine's CPU,
-for vLLM's own `Scheduler` (the *stock* arm) and for ``kvplug.vllm.Scheduler`` (one arm
-per kvplug policy), at each KV cache size. A step is what the engine core runs around the
-model forward pass:
+What is measured: the time of one engine-core scheduler step on this machine's CPU, for
+vLLM's own `Scheduler` (the *stock* arm) and for ``kvplug.vllm.Scheduler`` with each kvplug
+policy asked for, at each KV cache size. A step is what the engine core runs around the
+model's forward pass:
 
-- ``add_request`` for the requests that arrived since the last step (kvplug re-keys each
-  request's blocks here, so that cost is counted);
-- ``schedule()``;
+- ``add_request`` for the requests that arrived since the last step (kvplug salts and
+  re-hashes each request's blocks here, so that is counted);
+- ``schedule()`` (prefix lookups, allocation and so eviction, caching of full blocks);
 - ``update_from_output()`` with the step's sampled tokens (finished requests free their
   blocks here, which is where kvplug ranks them).
 
-The model is not run: the schedulers are real vLLM schedulers built as vLLM's unit tests
-build them (a `VllmConfig` for a tiny model directory, a `KVCacheConfig` of ``num_blocks``
-blocks with one full-attention group, a `StructuredOutputManager`), and the model runner's
-output is fabricated: one sampled token per request whose prompt is fully computed, a token
-that depends only on the request and its position, so every arm sees the same outputs.
-Building the `Request` objects (vLLM hashes their blocks in the constructor, off the
-engine-core thread in a real server) and fabricating outputs are not timed.
+No model runs. The schedulers are real vLLM schedulers, built as vLLM's own scheduler unit
+tests build them: a `VllmConfig` for a tiny model directory (`kvplug.tiny_model`, tokenizer
+not loaded), a `KVCacheConfig` of ``num_blocks`` blocks with one full-attention group and
+no tensors, a `StructuredOutputManager`. The model runner's output is fabricated: one
+sampled token for each request whose prompt is fully computed, a token that depends only on
+the request and its position, so every arm sees the same outputs. Building `Request`
+objects (vLLM hashes their blocks in the constructor, in a real server on the engine core's
+input thread) and fabricating outputs are not timed.
 
-How: every arm gets the same seeded request stream (`RequestStream`): prompts are a shared
-"system" prefix (few prefixes, Zipf-popular) or a previous request's prompt plus its output
-(a follow-up turn), then a unique suffix; each request asks for a few output tokens. The
-harness keeps ``concurrency`` requests in each scheduler (running plus waiting), so each arm
-admits the stream in the same order. Each arm is warmed up until its pool is full (no
-free block left without a cached hash, so each allocation evicts) and then some. The timed
-steps are interleaved: ``rounds`` rounds, each running ``steps`` steps of every arm (the
-order rotates from round to round), so machine noise hits all arms alike. Reported per arm:
-the median step time over all timed steps, its median add/schedule/update parts, scheduled
-and prefix-hit tokens, evictions (kvplug arms), and the ratio of its median to the stock
-median, with the range of the per-round ratios.
+The workload (`Workload`, `RequestStream`, seeded, the same for every arm): each prompt is
+a shared "system" prefix (64 of them, Zipf-popular) or, for 30% of requests, an earlier
+request's prompt plus its output (a follow-up turn), then a unique suffix of 4-16 blocks;
+each request generates 2-16 tokens and finishes (``ignore_eos``), freeing its blocks to the
+cache. The harness keeps ``concurrency`` requests in each scheduler (running plus waiting),
+so every arm admits the stream in the same order. Each arm is warmed up until its pool is
+full (no free block without a cached hash is left, so allocations evict), then for some
+more steps.
+
+Timing: as vLLM's engine core does once its scheduler is built, the start-up heap is
+frozen (``gc.freeze``) and the garbage collector stays on. The timed steps are interleaved:
+``rounds`` rounds, each running a share of every arm's ``steps`` steps (the order rotates),
+so a busy machine slows all arms alike. Reported per arm: the median step (wall) time and
+its ratio to the stock arm's, the range of the per-round ratios, the mean (which includes
+the rare long steps, such as full garbage collections) and the median thread CPU time, each
+with its ratio; the mean time in the garbage collector; the medians of the three parts;
+scheduled and prefix-hit tokens; evictions (kvplug arms; stock vLLM does not count them).
 
 With the ``lru`` policy kvplug evicts in vLLM's order, so the lru and stock arms do the same
-work step for step (the same tokens are scheduled); other policies keep other blocks, so
-their hits, and hence the tokens they compute, differ from stock's.
+work step for step (they schedule the same tokens); other policies keep other blocks, so
+their hits, and so the tokens they compute, differ a little from stock's.
+
+All arms live in one process: a full garbage collection scans every arm's objects, whichever
+arm's step triggers it, so ``gc_ms`` is indicative only.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import platform
 import random
 import statistics
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import vllm
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -65,7 +78,7 @@ from kvplug.vllm.pool import KVPlugBlockPool
 
 STOCK = "stock"
 TOKEN_BASE = 4  # token ids below this are the tiny model's special tokens
-TOKEN_RANGE = 500  # the tiny model's vocabulary is 512
+TOKEN_RANGE = 256  # prompt tokens are random bytes; the tiny model's vocabulary is 512
 
 
 @dataclass
@@ -89,14 +102,22 @@ class Workload:
 
 @dataclass
 class ArmResult:
+    """One arm at one pool size. Times are per step, in milliseconds; ratios are this
+    arm's figure over the stock arm's."""
+
     arm: str
     num_blocks: int
-    step_ms: float  # median over all timed steps
-    add_ms: float  # medians of the step's parts
-    schedule_ms: float
-    update_ms: float
-    ratio: float = 1.0  # step_ms / the stock arm's step_ms
-    round_ratios: list[float] = field(default_factory=list)
+    step_ms: float  # median wall time over all timed steps
+    ratio: float = 1.0
+    round_ratios: list[float] = field(default_factory=list)  # of the per-round medians
+    mean_ms: float = 0.0  # mean wall time (includes the rare long steps: full GC, ...)
+    mean_ratio: float = 1.0
+    cpu_ms: float = 0.0  # median thread CPU time (less sensitive to a busy machine)
+    cpu_ratio: float = 1.0
+    gc_ms: float = 0.0  # mean time in the garbage collector
+    add_ms: float = 0.0  # medians of the step's parts (wall)
+    schedule_ms: float = 0.0
+    update_ms: float = 0.0
     timed_steps: int = 0
     warmup_steps: int = 0
     scheduled_tokens: int = 0  # during the timed steps
@@ -106,6 +127,42 @@ class ArmResult:
     evictions: int | None = None  # kvplug arms only (stock vLLM does not count them)
     preemptions: int = 0
     pool: str = ""
+
+
+class GCTimer:
+    """A `gc.callbacks` hook that adds up the time the garbage collector runs."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def __enter__(self) -> GCTimer:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
+class StepTime(NamedTuple):
+    """One timed step, in seconds: wall time of its three parts, thread CPU time of all
+    three, and the garbage collector's share of the wall time."""
+
+    add: float
+    schedule: float
+    update: float
+    cpu: float
+    gc: float
+
+    @property
+    def wall(self) -> float:
+        return self.add + self.schedule + self.update
 
 
 @dataclass
@@ -126,15 +183,17 @@ class RequestStream:
     def __init__(self, workload: Workload) -> None:
         self.workload = workload
         self.rng = random.Random(workload.seed)
-        bs = workload.block_size
-        self.prefixes = [self._tokens(self.rng.randint(*workload.prefix_blocks) * bs) for _ in
-                         range(workload.num_prefixes)]  # fmt: skip
+        lengths = [
+            self.rng.randint(*workload.prefix_blocks) * workload.block_size
+            for _ in range(workload.num_prefixes)
+        ]
+        self.prefixes = [self._tokens(n) for n in lengths]
         self.weights = [1 / (rank + 1) for rank in range(workload.num_prefixes)]
         self.history: deque[_Planned] = deque(maxlen=workload.follow_up_window)
         self.count = 0
 
     def _tokens(self, n: int) -> list[int]:
-        return [TOKEN_BASE + self.rng.randrange(TOKEN_RANGE) for _ in range(n)]
+        return [TOKEN_BASE + byte for byte in self.rng.randbytes(n)]
 
     def next(self) -> _Planned:
         w = self.workload
@@ -192,7 +251,8 @@ def kv_cache_config(workload: Workload, num_blocks: int) -> KVCacheConfig:
 
 
 class Arm:
-    """One scheduler (stock, or kvplug with `policy`) and the requests it has been given."""
+    """One scheduler and its copy of the request stream. `name` is ``"stock"`` (vLLM's
+    `Scheduler`) or a kvplug policy (``kvplug.vllm.Scheduler`` with that policy)."""
 
     def __init__(
         self, name: str, base_config: VllmConfig, workload: Workload, num_blocks: int
@@ -210,17 +270,16 @@ class Arm:
             hash_block_size=workload.block_size,
             log_stats=False,
         )
-        self.scheduler = StockScheduler(**kwargs) if name == STOCK else kvplug.vllm.Scheduler(
-            **kwargs
+        self.scheduler = (
+            StockScheduler(**kwargs) if name == STOCK else kvplug.vllm.Scheduler(**kwargs)
         )
         self.pool = self.scheduler.kv_cache_manager.block_pool
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(workload.block_size, hash_fn)
         self.stream = RequestStream(workload)
-        self.numbers: dict[str, int] = {}  # request id -> its number in the stream
         self.steps = 0
-        self.times: list[tuple[float, float, float]] = []  # (add, schedule, update) seconds
+        self.times: list[StepTime] = []
         self.scheduled_tokens = 0
         self.prompt_tokens = 0
         self.hit_tokens = 0
@@ -239,27 +298,36 @@ class Arm:
                 None,
                 block_hasher=self.block_hasher,
             )
-            self.numbers[request.request_id] = planned.number
             requests.append(request)
         return requests
 
-    def step(self, timed: bool) -> None:
+    def step(self, timed: bool, gc_timer: GCTimer | None = None) -> None:
+        """One engine-core step; with `timed`, its times and counts are recorded."""
         scheduler = self.scheduler
         new = self._new_requests()
+        g0 = gc_timer.seconds if gc_timer else 0.0
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         for request in new:
             scheduler.add_request(request)
         t1 = time.perf_counter()
         output = scheduler.schedule()
         t2 = time.perf_counter()
+        c1 = time.thread_time()
+        g1 = gc_timer.seconds if gc_timer else 0.0
         runner_output = self._fabricate(output)
+        g2 = gc_timer.seconds if gc_timer else 0.0
+        c2 = time.thread_time()
         t3 = time.perf_counter()
         engine_outputs = scheduler.update_from_output(output, runner_output)
         t4 = time.perf_counter()
+        c3 = time.thread_time()
+        g3 = gc_timer.seconds if gc_timer else 0.0
         self.steps += 1
         if not timed:
             return
-        self.times.append((t1 - t0, t2 - t1, t4 - t3))
+        gc_seconds = g1 - g0 + g3 - g2
+        self.times.append(StepTime(t1 - t0, t2 - t1, t4 - t3, c1 - c0 + c3 - c2, gc_seconds))
         self.scheduled_tokens += output.total_num_scheduled_tokens
         self.preemptions += len(output.preempted_req_ids or ())
         for data in output.scheduled_new_reqs:
@@ -278,8 +346,7 @@ class Arm:
             if request.is_prefill_chunk:
                 sampled.append([])
             else:
-                number = self.numbers[req_id]
-                sampled.append([output_token(number, request.num_output_tokens)])
+                sampled.append([output_token(int(req_id), request.num_output_tokens)])
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
@@ -325,48 +392,40 @@ def bench_size(
     max_warmup_steps: int = 20_000,
     arms_out: list[Arm] | None = None,
 ) -> list[ArmResult]:
-    """Time the stock arm and one kvplug arm per policy at `num_blocks` blocks."""
+    """Time the stock arm and one kvplug arm per policy at `num_blocks` blocks: `steps`
+    timed steps per arm, in `rounds` interleaved segments."""
     base_config = build_vllm_config(model_dir, workload, num_blocks)
     arms = [Arm(name, base_config, workload, num_blocks) for name in [STOCK, *policies]]
-    for arm in arms:
-        arm.warm_up(max_warmup_steps, settle=max(steps, 50))
-    warmup = {arm.name: arm.steps for arm in arms}
-    evictions_before = {arm.name: arm.evictions() for arm in arms}
-    round_medians: dict[str, list[float]] = {arm.name: [] for arm in arms}
-    for r in range(rounds):
-        order = arms[r % len(arms) :] + arms[: r % len(arms)]
-        for arm in order:
-            gc.collect()
-            start = len(arm.times)
-            for _ in range(steps):
-                arm.step(timed=True)
-            round_medians[arm.name].append(_median_ms([sum(t) for t in arm.times[start:]]))
-    results = []
-    for arm in arms:
-        evictions = arm.evictions()
-        before = evictions_before[arm.name]
-        results.append(
-            ArmResult(
-                arm=arm.name,
-                num_blocks=num_blocks,
-                step_ms=_median_ms([sum(t) for t in arm.times]),
-                add_ms=_median_ms([t[0] for t in arm.times]),
-                schedule_ms=_median_ms([t[1] for t in arm.times]),
-                update_ms=_median_ms([t[2] for t in arm.times]),
-                timed_steps=len(arm.times),
-                warmup_steps=warmup[arm.name],
-                scheduled_tokens=arm.scheduled_tokens,
-                prompt_tokens=arm.prompt_tokens,
-                hit_tokens=arm.hit_tokens,
-                finished_requests=arm.finished,
-                evictions=None if evictions is None or before is None else evictions - before,
-                preemptions=arm.preemptions,
-                pool=type(arm.pool).__name__,
-            )
-        )
+    # As vLLM's engine core does once its scheduler is built: the start-up heap is frozen,
+    # so the garbage collector only scans what is allocated while serving.
+    gc.collect()
+    gc.freeze()
+    try:
+        for arm in arms:
+            arm.warm_up(max_warmup_steps, settle=max(steps // rounds, 50))
+        warmup = {arm.name: arm.steps for arm in arms}
+        evictions_before = {arm.name: arm.evictions() for arm in arms}
+        round_medians: dict[str, list[float]] = {arm.name: [] for arm in arms}
+        per_round = [steps // rounds + (r < steps % rounds) for r in range(rounds)]
+        with GCTimer() as gc_timer:
+            for r, count in enumerate(per_round):
+                order = arms[r % len(arms) :] + arms[: r % len(arms)]
+                for arm in order:
+                    start = len(arm.times)
+                    for _ in range(count):
+                        arm.step(timed=True, gc_timer=gc_timer)
+                    walls = [t.wall for t in arm.times[start:]]
+                    round_medians[arm.name].append(statistics.median(walls))
+    finally:
+        gc.unfreeze()
+    results = [
+        _result(arm, warmup[arm.name], evictions_before[arm.name], num_blocks) for arm in arms
+    ]
     stock = results[0]
     for result in results:
         result.ratio = result.step_ms / stock.step_ms
+        result.mean_ratio = result.mean_ms / stock.mean_ms
+        result.cpu_ratio = result.cpu_ms / stock.cpu_ms
         result.round_ratios = [
             mine / theirs
             for mine, theirs in zip(round_medians[result.arm], round_medians[STOCK], strict=True)
@@ -376,13 +435,43 @@ def bench_size(
     return results
 
 
+def _result(
+    arm: Arm, warmup_steps: int, evictions_before: int | None, num_blocks: int
+) -> ArmResult:
+    times = arm.times
+    evictions = arm.evictions()
+    return ArmResult(
+        arm=arm.name,
+        num_blocks=num_blocks,
+        step_ms=_median_ms([t.wall for t in times]),
+        mean_ms=statistics.fmean(t.wall for t in times) * 1e3,
+        cpu_ms=_median_ms([t.cpu for t in times]),
+        gc_ms=statistics.fmean(t.gc for t in times) * 1e3,
+        add_ms=_median_ms([t.add for t in times]),
+        schedule_ms=_median_ms([t.schedule for t in times]),
+        update_ms=_median_ms([t.update for t in times]),
+        timed_steps=len(times),
+        warmup_steps=warmup_steps,
+        scheduled_tokens=arm.scheduled_tokens,
+        prompt_tokens=arm.prompt_tokens,
+        hit_tokens=arm.hit_tokens,
+        finished_requests=arm.finished,
+        evictions=None
+        if evictions is None or evictions_before is None
+        else evictions - evictions_before,
+        preemptions=arm.preemptions,
+        pool=type(arm.pool).__name__,
+    )
+
+
 def bench_vllm_step(
     sizes: list[int],
     policies: list[str],
-    steps: int = 100,
-    rounds: int = 5,
+    steps: int = 200,
+    rounds: int = 10,
     workload: Workload | None = None,
     model_dir: Path | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> list[ArmResult]:
     """`bench_size` at each of `sizes`; builds a tiny model directory if none is given."""
     workload = workload or Workload()
@@ -393,15 +482,36 @@ def bench_vllm_step(
 
             model_dir = build_tiny_model(Path(tmp) / "tiny-llama", "llama")
         for num_blocks in sizes:
+            if progress is not None:
+                progress(
+                    f"{num_blocks:,} blocks: stock, {', '.join(policies)}: warming up, "
+                    f"then {steps} timed steps each in {rounds} rounds"
+                )
             results += bench_size(model_dir, num_blocks, policies, steps, rounds, workload)
             gc.collect()
     return results
 
 
+def report(results: list[ArmResult], workload: Workload, steps: int, rounds: int) -> dict[str, Any]:
+    """The JSON report: versions, settings and one row per arm and size."""
+    return {
+        "benchmark": "vllm-step",
+        "vllm": vllm.__version__,
+        "kvplug": kvplug.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "steps": steps,
+        "rounds": rounds,
+        "workload": asdict(workload),
+        "results": [asdict(r) for r in results],
+    }
+
+
 def format_table(results: list[ArmResult]) -> str:
     header = (
-        f"{'blocks':>8} {'arm':<6} {'ms/step':>8} {'add':>6} {'sched':>6} {'update':>6} "
-        f"{'vs stock':>8} {'rounds':>11} {'tok/step':>8} {'hit %':>6} {'evictions':>9}"
+        f"{'blocks':>8} {'arm':<6} {'median ms':>9} {'ratio':>6} {'rounds':>10} "
+        f"{'mean ms':>8} {'ratio':>6} {'cpu ms':>7} {'ratio':>6} {'gc ms':>6} "
+        f"{'add':>6} {'sched':>6} {'update':>6} {'tok/step':>8} {'hit %':>6} {'evicted':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
@@ -409,12 +519,9 @@ def format_table(results: list[ArmResult]) -> str:
         span = f"{min(r.round_ratios):.2f}-{max(r.round_ratios):.2f}" if r.round_ratios else ""
         evictions = "-" if r.evictions is None else f"{r.evictions:,}"
         lines.append(
-            f"{r.num_blocks:>8,} {r.arm:<6} {r.step_ms:>8.3f} {r.add_ms:>6.3f} "
-            f"{r.schedule_ms:>6.3f} {r.update_ms:>6.3f} {r.ratio:>7.2f}x {span:>11} "
-            f"{r.scheduled_tokens / max(r.timed_steps, 1):>8.0f} {hit:>6.1f} {evictions:>9}"
+            f"{r.num_blocks:>8,} {r.arm:<6} {r.step_ms:>9.3f} {r.ratio:>5.2f}x {span:>10} "
+            f"{r.mean_ms:>8.3f} {r.mean_ratio:>5.2f}x {r.cpu_ms:>7.3f} {r.cpu_ratio:>5.2f}x "
+            f"{r.gc_ms:>6.3f} {r.add_ms:>6.3f} {r.schedule_ms:>6.3f} {r.update_ms:>6.3f} "
+            f"{r.scheduled_tokens / max(r.timed_steps, 1):>8.0f} {hit:>6.1f} {evictions:>8}"
         )
     return "\n".join(lines)
-
-
-def results_as_dicts(results: list[ArmResult]) -> list[dict[str, Any]]:
-    return [asdict(r) for r in results]
