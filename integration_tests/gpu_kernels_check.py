@@ -21,7 +21,7 @@ How to run (the GPU machine is offline; carry wheels to it)
 On a machine with internet access, the same CPU architecture and Python 3.11:
 
     pip download -d wheels torch==2.13.0 triton==3.7.1 numpy \
-        flashinfer-python==0.7.2.post1 click pydantic pyyaml xxhash sortedcontainers \
+        flashinfer-python==0.7.2.post1 click pydantic pyyaml xxhash packaging \
         setuptools wheel
     pip wheel --no-deps -w wheels /path/to/kvplug
 

@@ -10,16 +10,15 @@ policy's candidate set exact with `add_candidate` / `discard_candidate`, so evic
 candidates keeps the index prefix-closed. `choose_victims` returns candidates and must not
 change anything: the cache removes them and reports each with `remove`.
 
-Every method must run in O(log n) or better in the number of cached blocks.
+Every method must run in O(log n) or better (amortised) in the number of cached blocks.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from itertools import count, islice
+from heapq import heapify, heappop, heappush
+from itertools import count
 from typing import TYPE_CHECKING, ClassVar
-
-from sortedcontainers import SortedList
 
 if TYPE_CHECKING:
     from kvplug.index import Node
@@ -72,15 +71,18 @@ class EvictionPolicy(ABC):
 
 class RankedPolicy(EvictionPolicy):
     """A policy that ranks each node with one number when it is released (lowest evicted
-    first) and keeps its candidates in a sorted list: O(log n) per operation.
+    first) and keeps its candidates in a binary heap: O(log n) per operation.
 
-    Subclasses implement `rank`; ties go to the node released first.
+    Subclasses implement `rank`; ties go to the node released first. Discarding a
+    candidate only forgets it; its heap entry is dropped when it reaches the top (an
+    entry is current while its node is a candidate released with that rank and order),
+    and the heap is rebuilt when stale entries outnumber current ones.
     """
 
     def __init__(self) -> None:
         self._rank: dict[int, tuple[float, int]] = {}  # serial -> (rank, release order)
-        self._candidates: SortedList[tuple[tuple[float, int], int]] = SortedList()
-        self._nodes: dict[int, Node] = {}
+        self._heap: list[tuple[float, int, int]] = []  # (rank, release order, serial)
+        self._nodes: dict[int, Node] = {}  # serial -> node, for current candidates
         self._releases = count()
 
     @abstractmethod
@@ -91,22 +93,41 @@ class RankedPolicy(EvictionPolicy):
         self._rank[node.serial] = (self.rank(node), next(self._releases))
 
     def add_candidate(self, node: Node) -> None:
-        self._candidates.add((self._rank[node.serial], node.serial))
+        rank, order = self._rank[node.serial]
         self._nodes[node.serial] = node
+        heappush(self._heap, (rank, order, node.serial))
 
     def discard_candidate(self, node: Node) -> None:
-        if self._nodes.pop(node.serial, None) is not None:
-            self._candidates.remove((self._rank[node.serial], node.serial))
+        if self._nodes.pop(node.serial, None) is not None and len(self._heap) > 64 + 2 * len(
+            self._nodes
+        ):
+            self._heap = [(*self._rank[serial], serial) for serial in self._nodes]
+            heapify(self._heap)
 
     def remove(self, node: Node) -> None:
         self._rank.pop(node.serial, None)
 
+    def first_candidate(self) -> Node | None:
+        """The next victim, or None if there is no candidate."""
+        heap, nodes, ranks = self._heap, self._nodes, self._rank
+        while heap:
+            rank, order, serial = heap[0]
+            if serial in nodes and ranks[serial] == (rank, order):
+                return nodes[serial]
+            heappop(heap)
+        return None
+
     def choose_victims(self, n: int) -> list[Node]:
-        return [self._nodes[serial] for _, serial in islice(self._candidates, n)]
+        if n == 1:
+            first = self.first_candidate()
+            return [] if first is None else [first]
+        current = sorted((*self._rank[serial], serial) for serial in self._nodes)
+        return [self._nodes[serial] for *_, serial in current[:n]]
 
     def lowest_rank(self) -> float | None:
         """The rank of the next victim, or None if there is no candidate."""
-        return self._candidates[0][0][0] if self._candidates else None
+        first = self.first_candidate()
+        return None if first is None else self._rank[first.serial][0]
 
     def __len__(self) -> int:
-        return len(self._candidates)
+        return len(self._nodes)

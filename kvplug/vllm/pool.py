@@ -34,7 +34,6 @@ from typing import Any
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from kvplug.index import Node
 from kvplug.policies.base import EvictionPolicy
 from kvplug.vllm.stats import PoolStats
 
@@ -47,13 +46,37 @@ class Release:
     request_hit: bool = False
 
 
-@dataclass(slots=True)
-class _Cached:
-    """Bookkeeping for one block while it has a hash: its policy node and its parent."""
+class CachedBlock:
+    """One block while it has a hash: the policy's node for it, and its place in the tree.
 
-    node: Node
-    parent: tuple[int, Any] | None = None  # (block id, the parent's hash then)
-    free_children: int = 0  # cached blocks that name this one as parent
+    It has the fields a policy reads from `kvplug.index.Node` (a policy never sees the
+    difference) without a child map: the pool only counts children that are free.
+    """
+
+    __slots__ = (
+        "serial", "key", "depth", "hits", "from_end", "request_hit", "request_output",
+        "block", "parent", "parent_key", "free_children", "free",
+    )  # fmt: skip
+
+    def __init__(self, serial: int, block: KVCacheBlock, depth: int) -> None:
+        self.serial = serial
+        self.key = block.block_hash
+        self.block = block
+        self.depth = depth
+        self.hits = 0
+        self.from_end = 0
+        self.request_hit = False
+        self.request_output = 0
+        self.parent: CachedBlock | None = None  # the block before it when it was cached
+        self.parent_key: Any = None  # the parent's hash then; it is stale if that changed
+        self.free_children = 0  # free cached blocks whose parent this is
+        self.free = False  # whether it is in the queue's cached set
+
+    def live_parent(self) -> CachedBlock | None:
+        parent = self.parent
+        if parent is None or parent.key != self.parent_key or parent.serial < 0:
+            return None
+        return parent
 
 
 class PolicyFreeQueue:
@@ -88,15 +111,34 @@ class PolicyFreeQueue:
         if not self._cached:
             raise ValueError("No free block is available")
         block = self.pool.choose_victim()
-        self.remove(block)
+        self.pop_cached(block)
         return block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        return [self.popleft() for _ in range(n)]
+        taken: list[KVCacheBlock] = []
+        fresh, live = self._fresh, self._fresh_entry
+        while fresh and len(taken) < n:
+            block, serial = fresh.pop()
+            if live.get(block.block_id) == serial:
+                del live[block.block_id]
+                taken.append(block)
+        if len(taken) < n:
+            if len(taken) + len(self._cached) < n:
+                raise ValueError("Not enough free blocks are available")
+            for _ in range(n - len(taken)):
+                block = self.pool.choose_victim()
+                self.pop_cached(block)
+                taken.append(block)
+        return taken
 
     def remove(self, block: KVCacheBlock) -> None:
         if self._fresh_entry.pop(block.block_id, None) is not None:
             return
+        del self._cached[block.block_id]
+        self.pool.on_unfree(block)
+
+    def pop_cached(self, block: KVCacheBlock) -> None:
+        """Take `block`, the policy's victim, out of the cached set."""
         del self._cached[block.block_id]
         self.pool.on_unfree(block)
 
@@ -106,10 +148,11 @@ class PolicyFreeQueue:
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Free `blocks`, the first to be evicted first: cached ones are ranked, others
         wait behind every fresh block (vLLM uses this for blocks still being read)."""
-        for block in blocks:
-            if block.block_hash is not None and self.pool.enable_caching:
+        caching = self.pool.enable_caching
+        for from_end, block in enumerate(blocks):  # vLLM passes a request's blocks tail first
+            if caching and block.block_hash is not None:
                 self._cached[block.block_id] = block
-                self.pool.on_free(block)
+                self.pool.on_free(block, from_end)
             else:
                 self._push_fresh(block, first=False)
 
@@ -134,6 +177,9 @@ class PolicyFreeQueue:
 
     def cached_blocks(self) -> list[KVCacheBlock]:
         return list(self._cached.values())
+
+    def any_cached(self) -> KVCacheBlock:
+        return next(iter(self._cached.values()))
 
     def make_all_fresh(self) -> None:
         """Move every cached block to the fresh stack (their hashes are gone)."""
@@ -165,10 +211,9 @@ class KVPlugBlockPool(BlockPool):
         super().__init__(*args, **kwargs)
         # vLLM's constructor built its own queue and took the null block from it.
         self.free_block_queue = PolicyFreeQueue(self, [b for b in self.blocks if not b.is_null])
-        self._entries: dict[int, _Cached] = {}
+        self._records: dict[int, CachedBlock] = {}  # block id -> record, while it has a hash
         self._serials = count()
         self.releasing = Release()
-        self._from_end: dict[int, int] = {}
         self._evicted: OrderedDict[Any, None] = OrderedDict()  # recent victims' hashes
         self.use_policy(_default_policy(), PoolStats())
 
@@ -177,37 +222,33 @@ class KVPlugBlockPool(BlockPool):
     ) -> None:
         """Rank with `policy` and count into `stats`. Blocks of the KV cache groups in
         `tree_groups` (full attention: a hit needs every block before it) are evicted
-        leaves first; others (sliding window) have no parent."""
-        if self._entries:
+        leaves first; others (sliding window) have no parent. None means every group."""
+        if self._records:
             raise RuntimeError("the policy can only be chosen while nothing is cached")
         policy.bind(self.hash_block_size, self.num_gpu_blocks)
         self.policy = policy
         self.stats = stats
-        self.tree_groups = set(range(1 << 16)) if tree_groups is None else tree_groups
+        self.tree_groups = tree_groups
+        self._first_candidate = getattr(policy, "first_candidate", None) or (
+            lambda: next(iter(policy.choose_victims(1)), None)
+        )
 
     def num_cached_blocks(self) -> int:
         """Blocks holding a reusable hash, held or free."""
-        return len(self._entries)
+        return len(self._records)
 
     # -- vLLM's entry points -------------------------------------------------------------
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """A request reuses `blocks` (prefix hits): count the hit, then take a reference."""
+        records, hit, hits = self._records, self.policy.hit, 0
         for block in blocks:
-            entry = self._entries.get(block.block_id)
-            if entry is not None and block.block_hash is not None:
-                entry.node.hits += 1
-                self.stats.block_hits += 1
-                self.policy.hit(entry.node)
+            record = records.get(block.block_id)
+            if record is not None and record.key == block.block_hash:
+                record.hits += 1
+                hits += 1
+                hit(record)  # type: ignore[arg-type]
+        self.stats.block_hits += hits
         super().touch(blocks)
-
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Release blocks, tail first. Their position in this call is `from_end`."""
-        ordered = list(ordered_blocks)
-        self._from_end = {b.block_id: i for i, b in enumerate(ordered) if b.pool is self}
-        try:
-            super().free_blocks(ordered)
-        finally:
-            self._from_end = {}
 
     def cache_full_blocks(
         self,
@@ -224,108 +265,104 @@ class KVPlugBlockPool(BlockPool):
             request, blocks, num_cached_blocks, num_full_blocks, block_size,
             kv_cache_group_id, block_mask,
         )  # fmt: skip
-        for i in range(max(num_cached_blocks, 0), num_full_blocks):
+        tree = self.tree_groups is None or kv_cache_group_id in self.tree_groups
+        parent = self._records.get(blocks[num_cached_blocks - 1].block_id) if (
+            tree and num_cached_blocks > 0
+        ) else None  # fmt: skip
+        for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or block.block_hash is None:
+                parent = None
                 continue
-            entry = self._entry(block)
-            if kv_cache_group_id not in self.tree_groups:
-                continue
-            if entry.parent is None and i > 0 and not blocks[i - 1].is_null:
-                parent = blocks[i - 1]
-                if parent.block_hash is not None:
-                    entry.parent = (parent.block_id, parent.block_hash)
+            record = self._record(block)
+            if tree and record.parent is None and parent is not None:
+                record.parent, record.parent_key = parent, parent.key
+            parent = record if tree else None
 
     def reset_prefix_cache(self) -> bool:
         if not super().reset_prefix_cache():
             return False
         self.free_block_queue.make_all_fresh()
-        for entry in self._entries.values():
-            self.policy.remove(entry.node)
-        self._entries.clear()
+        for record in self._records.values():
+            self.policy.remove(record)  # type: ignore[arg-type]
+            record.serial = -1
+        self._records.clear()
         return True
 
     # -- called by PolicyFreeQueue ------------------------------------------------------------
-    def on_free(self, block: KVCacheBlock) -> None:
+    def on_free(self, block: KVCacheBlock, from_end: int) -> None:
         """`block` (with a hash) lost its last holder: rank it and make it a candidate."""
-        entry = self._entry(block)
-        node = entry.node
-        node.from_end = self._from_end.get(block.block_id, 0)
-        node.request_hit = self.releasing.request_hit
-        node.request_output = self.releasing.output_tokens
-        self.policy.release(node)
-        if entry.free_children == 0:
-            self.policy.add_candidate(node)
-        parent = self._parent_entry(entry)
+        record = self._record(block)
+        record.from_end = from_end
+        record.request_hit = self.releasing.request_hit
+        record.request_output = self.releasing.output_tokens
+        record.free = True
+        policy = self.policy
+        policy.release(record)  # type: ignore[arg-type]
+        if record.free_children == 0:
+            policy.add_candidate(record)  # type: ignore[arg-type]
+        parent = record.live_parent()
         if parent is not None:
             parent.free_children += 1
-            if parent.free_children == 1 and self.free_block_queue.is_cached(
-                self.blocks[entry.parent[0]]
-            ):
-                self.policy.discard_candidate(parent.node)
+            if parent.free_children == 1 and parent.free:
+                policy.discard_candidate(parent)  # type: ignore[arg-type]
 
     def on_unfree(self, block: KVCacheBlock) -> None:
         """`block` left the cached set (touched by a hit, or about to be evicted)."""
-        entry = self._entries[block.block_id]
-        self.policy.discard_candidate(entry.node)
-        parent = self._parent_entry(entry)
+        record = self._records[block.block_id]
+        record.free = False
+        policy = self.policy
+        policy.discard_candidate(record)  # type: ignore[arg-type]
+        parent = record.live_parent()
         if parent is not None:
             parent.free_children -= 1
-            if parent.free_children == 0 and self.free_block_queue.is_cached(
-                self.blocks[entry.parent[0]]
-            ):
-                self.policy.add_candidate(parent.node)
+            if parent.free_children == 0 and parent.free:
+                policy.add_candidate(parent)  # type: ignore[arg-type]
 
     def choose_victim(self) -> KVCacheBlock:
         """The cached block to evict next: the policy's first candidate."""
-        victims = self.policy.choose_victims(1)
-        if victims:
-            block: KVCacheBlock = victims[0].block  # type: ignore[assignment]
+        victim = self._first_candidate()
+        if victim is not None:
+            block: KVCacheBlock = victim.block  # type: ignore[assignment]
         else:  # unreachable while the parent counts are exact; never strand a free block
-            block = next(iter(self.free_block_queue.cached_blocks()))
+            block = self.free_block_queue.any_cached()
         self.stats.evictions += 1
-        self._evicted[block.block_hash] = None
-        while len(self._evicted) > self.num_gpu_blocks:
-            self._evicted.popitem(last=False)
+        evicted = self._evicted
+        evicted[block.block_hash] = None
+        if len(evicted) > self.num_gpu_blocks:
+            evicted.popitem(last=False)
         return block
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """vLLM drops a block's hashes when it is handed out or evicted on request."""
-        if self.free_block_queue.is_cached(block):  # evicted on request while free
-            self.free_block_queue.remove(block)
-            self.free_block_queue.prepend_n([block])
-        entry = self._entries.pop(block.block_id, None)
-        if entry is not None:
-            self.policy.remove(entry.node)
+        record = self._records.get(block.block_id)
+        if record is not None:
+            if record.free:  # evicted on request while free: it is fresh from now on
+                self.free_block_queue.remove(block)
+                self.free_block_queue.prepend_n([block])
+            del self._records[block.block_id]
+            self.policy.remove(record)  # type: ignore[arg-type]
+            record.serial = -1  # children that still name it see a dead parent
         return super()._maybe_evict_cached_block(block)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _entry(self, block: KVCacheBlock) -> _Cached:
-        """The bookkeeping of `block` under its current hash (renewed if the hash changed)."""
-        entry = self._entries.get(block.block_id)
-        if entry is not None and entry.node.key == block.block_hash:
-            return entry
-        if entry is not None:
-            self.policy.remove(entry.node)
+    def _record(self, block: KVCacheBlock) -> CachedBlock:
+        """The record of `block` under its current hash (renewed if the hash changed)."""
+        record = self._records.get(block.block_id)
+        if record is not None and record.key == block.block_hash:
+            return record
+        if record is not None:
+            self.policy.remove(record)  # type: ignore[arg-type]
+            record.serial = -1
         num_tokens = block.block_hash_num_tokens or self.hash_block_size
-        depth = max(num_tokens // self.hash_block_size - 1, 0)
-        # Node.block holds vLLM's block here; the policy never looks at it.
-        node = Node(next(self._serials), block.block_hash, (), (), None, block, depth)  # type: ignore[arg-type]
+        record = CachedBlock(
+            next(self._serials), block, max(num_tokens // self.hash_block_size - 1, 0)
+        )
         if self._evicted.pop(block.block_hash, 0) is None:
             self.stats.churn += 1
-        self.policy.insert(node)
-        entry = self._entries[block.block_id] = _Cached(node)
-        return entry
-
-    def _parent_entry(self, entry: _Cached) -> _Cached | None:
-        """The parent's bookkeeping, if the parent still holds the hash it had."""
-        if entry.parent is None:
-            return None
-        block_id, block_hash = entry.parent
-        parent = self._entries.get(block_id)
-        if parent is None or parent.node.key != block_hash:
-            return None
-        return parent
+        self.policy.insert(record)  # type: ignore[arg-type]
+        self._records[block.block_id] = record
+        return record
 
     def check_invariants(self) -> None:
         """Raise AssertionError if a module-level invariant does not hold."""
@@ -338,24 +375,26 @@ class KVPlugBlockPool(BlockPool):
             assert block.ref_cnt >= 0, f"block {block.block_id}: ref_cnt {block.ref_cnt}"
             if queue.is_cached(block):
                 assert block.block_hash is not None, f"cached block {block.block_id} has no hash"
+                assert self._records[block.block_id].free, f"block {block.block_id} not free"
         assert queue.num_free_blocks == sum(
             1 for b in self.blocks if not b.is_null and b.ref_cnt == 0
         )
         children: dict[int, int] = {}
         for block in queue.cached_blocks():
-            parent = self._parent_entry(self._entries[block.block_id])
+            parent = self._records[block.block_id].live_parent()
             if parent is not None:
-                pid = parent.node.block.block_id  # type: ignore[union-attr]
+                pid = parent.block.block_id
                 children[pid] = children.get(pid, 0) + 1
+        leaves = 0
         for block in queue.cached_blocks():
-            entry = self._entries[block.block_id]
-            assert entry.free_children == children.get(block.block_id, 0), (
-                f"block {block.block_id}: {entry.free_children} free children counted, "
-                f"{children.get(block.block_id, 0)} found"
+            record = self._records[block.block_id]
+            found = children.get(block.block_id, 0)
+            assert record.free_children == found, (
+                f"block {block.block_id}: {record.free_children} free children counted, "
+                f"{found} found"
             )
-        assert len(self.policy) == sum(
-            1 for b in queue.cached_blocks() if self._entries[b.block_id].free_children == 0
-        ), "the policy's candidates are not the cached leaves"
+            leaves += found == 0
+        assert len(self.policy) == leaves, "the policy's candidates are not the cached leaves"
 
 
 def _default_policy() -> EvictionPolicy:

@@ -194,13 +194,23 @@ class KVPlugSchedulerMixin:
         super().add_request(request)  # type: ignore[misc]
 
     def _apply_namespace(self, request: Any) -> None:
-        """Salt the request's first block with kvplug's namespace and rehash its blocks."""
+        """Salt the request's first block with kvplug's namespace and rehash its blocks.
+
+        Within one engine every request shares the model, revision and tokenizer, so that
+        part of the salt changes no hit; it is applied only where block hashes leave the
+        engine (KV events, a KV connector). A request naming a tenant other than the
+        configured one is always salted, and rehashed (a cost of one prompt hash).
+        """
         if getattr(request, "_block_hasher", None) is None:
             return  # prefix caching is off: nothing is keyed
-        extra_args = getattr(request.sampling_params, "extra_args", None) or {}
-        tenant = self._namespace["tenant"]
+        default = self._namespace["tenant"]
+        tenant = default
         if not self.kvplug_config.namespace.share_across_tenants:
-            tenant = str(extra_args.get(TENANT_ARG, tenant))
+            extra_args = getattr(request.sampling_params, "extra_args", None) or {}
+            tenant = str(extra_args.get(TENANT_ARG, default))
+        exported = self.enable_kv_cache_events or self.connector is not None  # type: ignore[attr-defined]
+        if tenant == default and not exported:
+            return
         parts = [*self._namespace.values(), tenant, request.cache_salt or ""]
         request.cache_salt = "kvplug:" + xxhash.xxh3_128_hexdigest("\x1f".join(parts).encode())
         request.block_hashes = []
