@@ -33,7 +33,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from kvplug.config import KVPlugConfig
 from kvplug.cost import ModelSpec, load_model
 from kvplug.errors import ConfigError
-from kvplug.policies import make_policy
+from kvplug.policies import available_policies, make_policy
 from kvplug.policies.base import EvictionPolicy
 from kvplug.vllm.pool import KVPlugBlockPool, Release
 from kvplug.vllm.stats import METRICS_DIR_ENV, PoolStats, SnapshotWriter
@@ -84,9 +84,10 @@ def model_spec(vllm_config: Any) -> ModelSpec:
 
 def build_policy(config: KVPlugConfig, vllm_config: Any) -> EvictionPolicy:
     if config.policy in OFFLINE_POLICIES:
+        online = [name for name in available_policies() if name not in OFFLINE_POLICIES]
         raise ConfigError(
             f"kvplug config: policy {config.policy!r} cannot run in a server: "
-            f"{OFFLINE_POLICIES[config.policy]}"
+            f"{OFFLINE_POLICIES[config.policy]}; accepted here: {', '.join(online)}"
         )
     params = dict(config.policy_config)
     if config.policy == "cost" and "model" not in params:

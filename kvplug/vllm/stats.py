@@ -10,8 +10,10 @@ Prometheus metrics next to vLLM's own.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -62,10 +64,12 @@ GAUGES = {"cached_blocks", "bytes_held", "deferred_blocks", "deferred_age_steps"
 
 def claim_metrics_dir() -> Path:
     """Name this process's snapshot folder in the environment its children inherit
-    (unless a parent already did) and return it."""
+    (unless a parent already did) and return it. A folder made here is new (never a dead
+    server's) and is removed when this process exits."""
     if not os.environ.get(METRICS_DIR_ENV):
-        path = Path(tempfile.gettempdir()) / f"kvplug-metrics-{os.getpid()}"
-        os.environ[METRICS_DIR_ENV] = str(path)
+        path = tempfile.mkdtemp(prefix="kvplug-metrics-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        os.environ[METRICS_DIR_ENV] = path
     return Path(os.environ[METRICS_DIR_ENV])
 
 
