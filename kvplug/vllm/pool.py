@@ -47,34 +47,41 @@ class Release:
 
 
 class CachedBlock:
-    """One block while it has a hash: the policy's node for it, and its place in the tree.
+    """One block's record while it has a hash: the policy's node for it, and its place in
+    the tree.
 
     It has the fields a policy reads from `kvplug.index.Node` (a policy never sees the
-    difference) without a child map: the pool only counts children that are free.
+    difference) without a child map: the pool only counts children that are free. Each
+    physical block has one record, made with the pool and renewed (`reset`, new serial)
+    for each hash the block holds, so serving allocates nothing per cached block.
     """
 
     __slots__ = (
         "serial", "key", "depth", "hits", "from_end", "request_hit", "request_output",
-        "block", "parent", "parent_key", "free_children", "free",
+        "block", "parent", "parent_serial", "free_children", "free",
     )  # fmt: skip
 
-    def __init__(self, serial: int, block: KVCacheBlock, depth: int) -> None:
-        self.serial = serial
-        self.key = block.block_hash
+    def __init__(self, block: KVCacheBlock) -> None:
         self.block = block
+        self.reset(-1, 0)
+
+    def reset(self, serial: int, depth: int) -> None:
+        """Start a new identity: `serial` (-1: no hash), the block's current hash."""
+        self.serial = serial
+        self.key = self.block.block_hash
         self.depth = depth
         self.hits = 0
         self.from_end = 0
         self.request_hit = False
         self.request_output = 0
         self.parent: CachedBlock | None = None  # the block before it when it was cached
-        self.parent_key: Any = None  # the parent's hash then; it is stale if that changed
+        self.parent_serial = -1  # the parent's serial then; stale once the parent changes
         self.free_children = 0  # free cached blocks whose parent this is
         self.free = False  # whether it is in the queue's cached set
 
     def live_parent(self) -> CachedBlock | None:
         parent = self.parent
-        if parent is None or parent.key != self.parent_key or parent.serial < 0:
+        if parent is None or parent.serial != self.parent_serial:
             return None
         return parent
 
@@ -211,6 +218,7 @@ class KVPlugBlockPool(BlockPool):
         super().__init__(*args, **kwargs)
         # vLLM's constructor built its own queue and took the null block from it.
         self.free_block_queue = PolicyFreeQueue(self, [b for b in self.blocks if not b.is_null])
+        self._slots = [CachedBlock(block) for block in self.blocks]  # by block id
         self._records: dict[int, CachedBlock] = {}  # block id -> record, while it has a hash
         self._serials = count()
         self.releasing = Release()
@@ -276,7 +284,7 @@ class KVPlugBlockPool(BlockPool):
                 continue
             record = self._record(block)
             if tree and record.parent is None and parent is not None:
-                record.parent, record.parent_key = parent, parent.key
+                record.parent, record.parent_serial = parent, parent.serial
             parent = record if tree else None
 
     def reset_prefix_cache(self) -> bool:
@@ -355,9 +363,8 @@ class KVPlugBlockPool(BlockPool):
             self.policy.remove(record)  # type: ignore[arg-type]
             record.serial = -1
         num_tokens = block.block_hash_num_tokens or self.hash_block_size
-        record = CachedBlock(
-            next(self._serials), block, max(num_tokens // self.hash_block_size - 1, 0)
-        )
+        record = self._slots[block.block_id]
+        record.reset(next(self._serials), max(num_tokens // self.hash_block_size - 1, 0))
         if self._evicted.pop(block.block_hash, 0) is None:
             self.stats.churn += 1
         self.policy.insert(record)  # type: ignore[arg-type]
