@@ -58,7 +58,7 @@ def scheduler_class(async_scheduling: bool) -> type:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
     else:
         base = vllm_scheduler.Scheduler
-    return type(f"KVPlug{base.__name__}", (KVPlugSchedulerMixin, base), {})
+    return type(f"KVPlug{base.__name__}", (KVPlugSchedulerMixin, base), {"__module__": __name__})
 
 
 def load_config(vllm_config: Any) -> KVPlugConfig:
