@@ -94,44 +94,32 @@ def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0) -> Pa
     out.mkdir(parents=True, exist_ok=True)
 
     tokenizer = _build_tokenizer()
-    ids = {
+    shared = {  # both architectures' sizes and special tokens
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "max_position_embeddings": MAX_POSITIONS,
+        "initializer_range": INIT_STD,
+        # Tied embeddings make a random Gemma3 (which scales its inputs by
+        # sqrt(hidden_size)) echo one token forever.
+        "tie_word_embeddings": False,
         "pad_token_id": tokenizer.pad_token_id,
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
     }
     if arch == "llama":
-        config: Any = transformers.LlamaConfig(
-            vocab_size=VOCAB_SIZE,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            max_position_embeddings=MAX_POSITIONS,
-            initializer_range=INIT_STD,
-            tie_word_embeddings=False,
-            **ids,
-        )
+        config: Any = transformers.LlamaConfig(num_hidden_layers=2, **shared)
         model_cls: Any = transformers.LlamaForCausalLM
     else:
         config = transformers.Gemma3TextConfig(
-            vocab_size=VOCAB_SIZE,
-            hidden_size=64,
-            intermediate_size=128,
             num_hidden_layers=len(GEMMA3_LAYER_TYPES),
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
             query_pre_attn_scalar=32,
-            max_position_embeddings=MAX_POSITIONS,
-            initializer_range=INIT_STD,
             sliding_window=SLIDING_WINDOW,
             layer_types=list(GEMMA3_LAYER_TYPES),
-            # Tied embeddings make a random Gemma3 (which scales its inputs by
-            # sqrt(hidden_size)) echo one token forever.
-            tie_word_embeddings=False,
-            **ids,
+            **shared,
         )
         model_cls = transformers.Gemma3ForCausalLM
     config.architectures = [model_cls.__name__]

@@ -128,21 +128,13 @@ def test_cli_json(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPat
 
 def test_async_scheduling_gets_vllms_async_scheduler_with_kvplug_pool(model_dir: Path) -> None:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.structured_output import StructuredOutputManager
 
     import kvplug.vllm
-    from kvplug.vllm.bench import build_vllm_config, kv_cache_config
+    from kvplug.vllm.bench import build_vllm_config, scheduler_kwargs
 
     config = build_vllm_config(model_dir, TINY, NUM_BLOCKS)
     config.scheduler_config.async_scheduling = True
-    scheduler = kvplug.vllm.Scheduler(
-        vllm_config=config,
-        kv_cache_config=kv_cache_config(TINY, NUM_BLOCKS),
-        structured_output_manager=StructuredOutputManager(config),
-        block_size=TINY.block_size,
-        hash_block_size=TINY.block_size,
-        log_stats=False,
-    )
+    scheduler = kvplug.vllm.Scheduler(**scheduler_kwargs(config, TINY, NUM_BLOCKS))
     assert isinstance(scheduler, AsyncScheduler)
     assert type(scheduler).__name__ == "KVPlugAsyncScheduler"
     assert isinstance(scheduler.kv_cache_manager.block_pool, KVPlugBlockPool)

@@ -250,6 +250,18 @@ def kv_cache_config(workload: Workload, num_blocks: int) -> KVCacheConfig:
     )
 
 
+def scheduler_kwargs(config: VllmConfig, workload: Workload, num_blocks: int) -> dict[str, Any]:
+    """What vLLM's engine core passes a scheduler class, for this workload and pool."""
+    return dict(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config(workload, num_blocks),
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=workload.block_size,
+        hash_block_size=workload.block_size,
+        log_stats=False,
+    )
+
+
 class Arm:
     """One scheduler and its copy of the request stream. `name` is ``"stock"`` (vLLM's
     `Scheduler`) or a kvplug policy (``kvplug.vllm.Scheduler`` with that policy)."""
@@ -262,14 +274,7 @@ class Arm:
         config = copy.deepcopy(base_config)
         if name != STOCK:
             config.additional_config = {"kvplug": {"policy": name}}
-        kwargs: dict[str, Any] = dict(
-            vllm_config=config,
-            kv_cache_config=kv_cache_config(workload, num_blocks),
-            structured_output_manager=StructuredOutputManager(config),
-            block_size=workload.block_size,
-            hash_block_size=workload.block_size,
-            log_stats=False,
-        )
+        kwargs = scheduler_kwargs(config, workload, num_blocks)
         self.scheduler = (
             StockScheduler(**kwargs) if name == STOCK else kvplug.vllm.Scheduler(**kwargs)
         )

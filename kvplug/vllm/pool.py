@@ -118,7 +118,7 @@ class PolicyFreeQueue:
         if not self._cached:
             raise ValueError("No free block is available")
         block = self.pool.choose_victim()
-        self.pop_cached(block)
+        self.remove(block)
         return block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
@@ -134,18 +134,13 @@ class PolicyFreeQueue:
                 raise ValueError("Not enough free blocks are available")
             for _ in range(n - len(taken)):
                 block = self.pool.choose_victim()
-                self.pop_cached(block)
+                self.remove(block)
                 taken.append(block)
         return taken
 
     def remove(self, block: KVCacheBlock) -> None:
         if self._fresh_entry.pop(block.block_id, None) is not None:
             return
-        del self._cached[block.block_id]
-        self.pool.on_unfree(block)
-
-    def pop_cached(self, block: KVCacheBlock) -> None:
-        """Take `block`, the policy's victim, out of the cached set."""
         del self._cached[block.block_id]
         self.pool.on_unfree(block)
 

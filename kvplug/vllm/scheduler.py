@@ -82,7 +82,7 @@ def model_spec(vllm_config: Any) -> ModelSpec:
         return load_model(None)
 
 
-def build_policy(config: KVPlugConfig, vllm_config: Any) -> EvictionPolicy:
+def build_policy(config: KVPlugConfig, model: ModelSpec) -> EvictionPolicy:
     if config.policy in OFFLINE_POLICIES:
         online = [name for name in available_policies() if name not in OFFLINE_POLICIES]
         raise ConfigError(
@@ -91,7 +91,7 @@ def build_policy(config: KVPlugConfig, vllm_config: Any) -> EvictionPolicy:
         )
     params = dict(config.policy_config)
     if config.policy == "cost" and "model" not in params:
-        params["model"] = model_spec(vllm_config)
+        params["model"] = model
     return make_policy(config.policy, **params)
 
 
@@ -156,7 +156,8 @@ class KVPlugSchedulerMixin:
         config = load_config(vllm_config)
         check_vllm_version(strict=config.strict_version)
         _check_block_size(config, vllm_config)
-        policy = build_policy(config, vllm_config)
+        model = model_spec(vllm_config)
+        policy = build_policy(config, model)
         with (
             _swap_lock,
             _swapped(kv_cache_coordinator, "BlockPool", KVPlugBlockPool),
@@ -170,7 +171,7 @@ class KVPlugSchedulerMixin:
         groups = tree_groups(kv_cache_config.kv_cache_groups)
         self.kvplug_pool.use_policy(policy, self.kvplug_stats, groups)
         self._bytes_per_block = _bytes_per_block(kv_cache_config)
-        self._model = model_spec(vllm_config)
+        self._model = model
         self._namespace = _namespace_parts(config, vllm_config)
         self._snapshots: SnapshotWriter | None = None
         if os.environ.get(METRICS_DIR_ENV):
@@ -204,8 +205,7 @@ class KVPlugSchedulerMixin:
         """
         if getattr(request, "_block_hasher", None) is None:
             return  # prefix caching is off: nothing is keyed
-        default = self._namespace["tenant"]
-        tenant = default
+        default = tenant = self.kvplug_config.namespace.tenant
         if not self.kvplug_config.namespace.share_across_tenants:
             extra_args = getattr(request.sampling_params, "extra_args", None) or {}
             tenant = str(extra_args.get(TENANT_ARG, default))
@@ -231,11 +231,11 @@ class KVPlugSchedulerMixin:
     # -- statistics -----------------------------------------------------------------------
     def make_stats(self, *args: Any, **kwargs: Any) -> Any:
         result = super().make_stats(*args, **kwargs)  # type: ignore[misc]
-        if self._snapshots is not None and result is not None:
-            self.refresh_kvplug_gauges()
-            idle = not self.requests  # type: ignore[attr-defined]
-            # Rate-limited while busy; the state the engine goes idle in is always written.
-            self._snapshots.write(self.kvplug_stats, self.kvplug_config.policy, force=idle)
+        snapshots = self._snapshots
+        idle = not self.requests  # type: ignore[attr-defined]
+        # Rate-limited while busy; the state the engine goes idle in is always written.
+        if result is not None and snapshots is not None and snapshots.due(force=idle):
+            snapshots.write(self.refresh_kvplug_gauges(), self.kvplug_config.policy)
         return result
 
     def refresh_kvplug_gauges(self) -> PoolStats:
@@ -270,7 +270,7 @@ def _bytes_per_block(kv_cache_config: Any) -> int:
 
 
 def _namespace_parts(config: KVPlugConfig, vllm_config: Any) -> dict[str, str]:
-    """The request-independent part of the namespace, in a fixed order."""
+    """The engine's part of the namespace (the tenant is the request's), in a fixed order."""
     model = vllm_config.model_config
     return {
         "model": str(model.model),
@@ -278,5 +278,4 @@ def _namespace_parts(config: KVPlugConfig, vllm_config: Any) -> dict[str, str]:
         "tokenizer": str(model.tokenizer),
         "tokenizer_revision": str(model.tokenizer_revision or ""),
         "dtype": str(model.dtype),
-        "tenant": config.namespace.tenant,
     }

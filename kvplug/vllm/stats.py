@@ -81,11 +81,12 @@ class SnapshotWriter:
         self.interval_s = interval_s
         self._last = 0.0
 
-    def write(self, stats: PoolStats, policy: str, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last < self.interval_s:
-            return
-        self._last = now
+    def due(self, force: bool = False) -> bool:
+        """Whether to write now: `force`, or `interval_s` since the last write."""
+        return force or time.monotonic() - self._last >= self.interval_s
+
+    def write(self, stats: PoolStats, policy: str) -> None:
+        self._last = time.monotonic()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"policy": policy, **stats.as_dict()}))
