@@ -5,9 +5,9 @@ Run: python examples/core_walkthrough.py
 
 from pathlib import Path
 
-from kvplug.cache import KVCache
 from kvplug.config import KVPlugConfig
-from kvplug.keys import Namespace
+from kvplug.core.cache import KVCache
+from kvplug.core.keys import Namespace
 
 config = KVPlugConfig.load(Path(__file__).with_name("kvplug.yaml"))
 cache = KVCache.from_config(config, num_blocks=12, block_size=4, namespace=Namespace(model="demo"))

@@ -19,7 +19,7 @@ import click
 
 from kvplug import __version__
 from kvplug.errors import KVPlugError
-from kvplug.info import COMPONENT_NAMES, Component, probe
+from kvplug.tools.info import COMPONENT_NAMES, Component, probe
 
 
 class KVPlugClickError(click.ClickException):
@@ -79,11 +79,11 @@ def _module_exists(target: str) -> bool:
 # `main.add_command(...)` from code that is imported anyway).
 _LAZY_COMMANDS: dict[str, str] = {
     "ab": "kvplug.replay.cli:ab",
-    "bench": "kvplug.bench:bench",
-    "budget": "kvplug.budget:budget",
+    "bench": "kvplug.tools.bench:bench",
+    "budget": "kvplug.tools.budget:budget",
     "replay": "kvplug.replay.cli:replay",
-    "demo": "kvplug.demo:demo",
-    "sweep": "kvplug.sweep:sweep",
+    "demo": "kvplug.tools.demo:demo",
+    "sweep": "kvplug.tools.sweep:sweep",
 }
 
 
@@ -139,5 +139,5 @@ def _table(components: list[Component]) -> str:
 
 
 # -- registering subcommands from other modules ----------------------------------------
-# Eager registration is `from kvplug.bench import bench; main.add_command(bench)`, but
+# Eager registration is `from kvplug.tools.bench import bench; main.add_command(bench)`, but
 # that imports the module on every run; prefer an entry in `_LAZY_COMMANDS` above.

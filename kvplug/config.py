@@ -30,8 +30,8 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from kvplug import policies
+from kvplug.core.keys import DEFAULT_HASH, HASH_ALGORITHMS
 from kvplug.errors import ConfigError
-from kvplug.keys import DEFAULT_HASH, HASH_ALGORITHMS
 
 ENV_VAR = "KVPLUG_CONFIG"
 WRAPPER_KEY = "kvplug"  # engines pass additional_config={"kvplug": {...}}

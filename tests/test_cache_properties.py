@@ -27,7 +27,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvplug.cache import KVCache
+from kvplug.core.cache import KVCache
+from kvplug.core.keys import Namespace
+from kvplug.core.pool import BlockState
 from kvplug.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -35,10 +37,8 @@ from kvplug.errors import (
     OutOfBlocksError,
     UnknownRequestError,
 )
-from kvplug.keys import Namespace
 from kvplug.policies import EvictionPolicy, make_policy
 from kvplug.policies.belady import BeladyPolicy
-from kvplug.pool import BlockState
 
 BASES = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [7, 7, 7, 7, 7, 7])
 TENANTS = (Namespace(tenant="a"), Namespace(tenant="b"))

@@ -7,7 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from kvplug.cache import Copy, KVCache
+from kvplug.core.cache import Copy, KVCache
+from kvplug.core.keys import HASH_ALGORITHMS, MMFeature, Namespace
+from kvplug.core.pool import BlockState
 from kvplug.errors import (
     CapacityError,
     ConfigError,
@@ -17,8 +19,6 @@ from kvplug.errors import (
     UnknownPolicyError,
     UnknownRequestError,
 )
-from kvplug.keys import HASH_ALGORITHMS, MMFeature, Namespace
-from kvplug.pool import BlockState
 
 BS = 16
 PREFIX = [(7 * i + 3) % 1000 for i in range(512)]
@@ -341,8 +341,8 @@ def test_usage_counts_logical_tokens_physical_slots_and_tail_waste() -> None:
 
 
 def test_groups_share_one_pool_of_equal_pages() -> None:
-    from kvplug.groups import CacheGroupSpec, GroupKind
-    from kvplug.pool import BlockPool
+    from kvplug.core.groups import CacheGroupSpec, GroupKind
+    from kvplug.core.pool import BlockPool
 
     full = CacheGroupSpec(GroupKind.FULL, block_size=16, bytes_per_token=64)
     window = CacheGroupSpec(GroupKind.SLIDING_WINDOW, 16, 64, sliding_window=128)

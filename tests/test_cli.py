@@ -13,11 +13,12 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from kvplug import __version__, info
+from kvplug import __version__
 from kvplug.cli import LazyGroup, main
 from kvplug.errors import ConfigError
-from kvplug.info import COMPONENT_NAMES, Component, import_check, probe
 from kvplug.kernels import available_backends
+from kvplug.tools import info
+from kvplug.tools.info import COMPONENT_NAMES, Component, import_check, probe
 
 NAMES = ["vllm", "sglang", "torch", "triton", "flashinfer"]
 
@@ -196,7 +197,7 @@ def test_available_backends_are_honest() -> None:
 
 def test_core_imports_no_torch_and_no_engine() -> None:
     code = (
-        "import sys, kvplug, kvplug.config, kvplug.cli, kvplug.info, kvplug.kernels\n"
+        "import sys, kvplug, kvplug.config, kvplug.cli, kvplug.tools.info, kvplug.kernels\n"
         "heavy = ('torch', 'vllm', 'sglang', 'triton', 'flashinfer')\n"
         "print(','.join(m for m in heavy if m in sys.modules))\n"
     )
@@ -284,7 +285,7 @@ def test_main_lists_only_existing_lazy_commands() -> None:
     listed = main.list_commands(click.Context(main))
     assert "info" in listed
     for name in ("bench", "demo"):
-        assert (name in listed) == installed(f"kvplug.{name}")
+        assert (name in listed) == installed(f"kvplug.tools.{name}")
 
 
 def test_installing_kvplug_registers_no_engine_hooks() -> None:

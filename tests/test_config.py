@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvplug.config import ENV_VAR, KVPlugConfig, NamespaceConfig
+from kvplug.core.keys import DEFAULT_HASH, HASH_ALGORITHMS
 from kvplug.errors import ConfigError
-from kvplug.keys import DEFAULT_HASH, HASH_ALGORITHMS
 from kvplug.policies import available_policies
 
 TOP_KEYS = (

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import settings
 from test_cache_properties import CacheMachine
 
-from kvplug.cache import KVCache
+from kvplug.core.cache import KVCache
 from kvplug.errors import UnknownPolicyError
 from kvplug.policies import available_policies, make_policy, policy_class
 from kvplug.policies.base import EvictionPolicy

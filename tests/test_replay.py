@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvplug.cli import main
-from kvplug.cost import PRESETS, ModelSpec, kv_budget, load_model
+from kvplug.core.model_spec import PRESETS, ModelSpec, kv_budget, load_model
 from kvplug.errors import ConfigError, KVPlugError, UnknownPolicyError
 from kvplug.policies import make_policy
 from kvplug.replay.arms import FRESH_UNIT_BASE, KVPlugArm

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvplug.cli import main
-from kvplug.cost import ModelSpec
+from kvplug.core.model_spec import ModelSpec
 from kvplug.errors import ConfigError
 from kvplug.serving.ab import (
     ABConfig,
@@ -570,9 +570,11 @@ def test_ab_vllm_without_vllm_says_where_to_run_it(tmp_path) -> None:
 @pytest.mark.vllm_server
 @pytest.mark.skipif(not installed("vllm"), reason="needs vllm (.venv-vllm)")
 @pytest.mark.skipif(not installed("aiohttp"), reason="needs aiohttp (the vllm extra)")
-@pytest.mark.skipif(not installed("kvplug.tiny_model"), reason="needs kvplug.tiny_model")
+@pytest.mark.skipif(
+    not installed("kvplug.tools.tiny_model"), reason="needs kvplug.tools.tiny_model"
+)
 def test_stock_arm_against_a_real_vllm_server(tmp_path) -> None:
-    from kvplug.tiny_model import build_tiny_model
+    from kvplug.tools.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny-llama", arch="llama")
     config = ABConfig(model, workload="mixed", requests=12, concurrency=4, num_blocks=64,

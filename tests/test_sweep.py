@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from kvplug.cli import main
 from kvplug.errors import ConfigError
-from kvplug.sweep import (
+from kvplug.tools.sweep import (
     DEFAULT_BUCKETS,
     DEFAULT_WEIGHTS,
     LatencySetup,
@@ -173,7 +173,7 @@ def test_bad_options_name_the_problem(args: list[str], message: str) -> None:
 def test_sweep_accounting_needs_no_torch() -> None:
     code = (
         "import sys\n"
-        "from kvplug.sweep import LatencySetup, SweepConfig, format_table, run_sweep\n"
+        "from kvplug.tools.sweep import LatencySetup, SweepConfig, format_table, run_sweep\n"
         "result = run_sweep(SweepConfig(num_sequences=50, latency=LatencySetup(backend='none')))\n"
         "assert result.recommended is not None, result.reason\n"
         "print('torch' in sys.modules)\n"

@@ -1,4 +1,4 @@
-"""kvplug.tiny_model: the tiny random-weight models load with transformers.
+"""kvplug.tools.tiny_model: the tiny random-weight models load with transformers.
 
 Needs torch, transformers and tokenizers (the vLLM environment has them); skipped otherwise.
 """
@@ -11,7 +11,7 @@ pytest.importorskip("torch")
 pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-from kvplug.tiny_model import ARCHS, build_tiny_model  # noqa: E402
+from kvplug.tools.tiny_model import ARCHS, build_tiny_model  # noqa: E402
 
 TEXT = 'Hello, World! The cache\'s 12345 blocks ~ {x: [1, 2]}\n\ttabs & "quotes" ok?'
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvplug.bench import bench_core
-from kvplug.cache import KVCache
 from kvplug.cli import main
 from kvplug.config import KVPlugConfig
-from kvplug.demo import chat_workload, run_demo
+from kvplug.core.cache import KVCache
+from kvplug.core.keys import Namespace
 from kvplug.errors import ConfigError
-from kvplug.keys import Namespace
+from kvplug.tools.bench import bench_core
+from kvplug.tools.demo import chat_workload, run_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def test_bench_rejects_bad_sizes() -> None:
 
 def test_python_dash_m_bench_runs() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvplug.bench", "core", "--sizes", "50", "--requests", "5"],
+        [sys.executable, "-m", "kvplug.tools.bench", "core", "--sizes", "50", "--requests", "5"],
         capture_output=True,
         text=True,
         check=True,

@@ -13,8 +13,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvplug[v
 from click.testing import CliRunner  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
-from kvplug.bench import bench  # noqa: E402
-from kvplug.tiny_model import build_tiny_model  # noqa: E402
+from kvplug.tools.bench import bench  # noqa: E402
+from kvplug.tools.tiny_model import build_tiny_model  # noqa: E402
 from kvplug.vllm.bench import (  # noqa: E402
     STOCK,
     Arm,
@@ -25,7 +25,7 @@ from kvplug.vllm.bench import (  # noqa: E402
     format_table,
     report,
 )
-from kvplug.vllm.pool import KVPlugBlockPool  # noqa: E402
+from kvplug.vllm.block_pool import KVPlugBlockPool  # noqa: E402
 
 NUM_BLOCKS = 500
 STEPS = 24

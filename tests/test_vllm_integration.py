@@ -1,6 +1,6 @@
 """kvplug inside a real in-process vLLM engine (``scheduler_cls="kvplug.vllm.Scheduler"``).
 
-Each test builds a tiny random-weight model (`kvplug.tiny_model`) and runs vLLM 0.32's
+Each test builds a tiny random-weight model (`kvplug.tools.tiny_model`) and runs vLLM 0.32's
 `LLM` on CPU with a small KV budget (``num_gpu_blocks_override``), so that requests evict.
 
 - kvplug's pool is the one in use under all three of vLLM's KV cache coordinators (no
@@ -31,8 +31,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in th
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
-from kvplug.tiny_model import build_tiny_model  # noqa: E402
-from kvplug.vllm.pool import KVPlugBlockPool  # noqa: E402
+from kvplug.tools.tiny_model import build_tiny_model  # noqa: E402
+from kvplug.vllm.block_pool import KVPlugBlockPool  # noqa: E402
 from kvplug.vllm.version import UnsupportedEngineError  # noqa: E402
 
 BLOCK = 32

@@ -54,8 +54,8 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
 )
 from vllm_server_util import free_port  # noqa: E402
 
-from kvplug.tiny_model import build_tiny_model  # noqa: E402
-from kvplug.vllm.pool import KVPlugBlockPool  # noqa: E402
+from kvplug.tools.tiny_model import build_tiny_model  # noqa: E402
+from kvplug.vllm.block_pool import KVPlugBlockPool  # noqa: E402
 
 pytestmark = pytest.mark.vllm_engine
 

@@ -30,7 +30,7 @@ from hypothesis import strategies as st  # noqa: E402
 from kvplug.policies import make_policy  # noqa: E402
 from kvplug.replay.arms import FRESH_UNIT_BASE  # noqa: E402
 from kvplug.replay.vllm_stock import VLLMStockArm  # noqa: E402
-from kvplug.vllm.pool import KVPlugBlockPool  # noqa: E402
+from kvplug.vllm.block_pool import KVPlugBlockPool  # noqa: E402
 
 F = FRESH_UNIT_BASE
 ONLINE_POLICIES = ["lru", "lfu", "gdsf", "cost"]

@@ -1,7 +1,7 @@
 """kvplug in a real vLLM OpenAI API server (``--scheduler-cls kvplug.vllm.Scheduler``).
 
 Every test starts real servers (``python -m vllm.entrypoints.openai.api_server``) on a tiny
-random-weight Llama (`kvplug.tiny_model`), one at a time, each in its own process group.
+random-weight Llama (`kvplug.tools.tiny_model`), one at a time, each in its own process group.
 What they prove:
 
 - ``TestKVPlugServer`` (one server, policy ``cost``, 48 blocks of 32 tokens):
@@ -63,8 +63,8 @@ from vllm_server_util import (  # noqa: E402
     wait_healthy,
 )
 
-from kvplug.cost import ModelSpec  # noqa: E402
-from kvplug.tiny_model import build_tiny_model  # noqa: E402
+from kvplug.core.model_spec import ModelSpec  # noqa: E402
+from kvplug.tools.tiny_model import build_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.vllm_server
 

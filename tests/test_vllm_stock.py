@@ -187,7 +187,7 @@ def test_module_imports_without_vllm():
 @pytest.mark.parametrize("sequential", [True, False], ids=["sequential", "realistic"])
 def test_lru_matches_vllm_on_the_bundled_trace(sequential: bool) -> None:
     """The whole replay, both arms, every capacity: identical hits, evictions and churn."""
-    from kvplug.cost import load_model
+    from kvplug.core.model_spec import load_model
     from kvplug.replay.cli import bundled_trace_path
     from kvplug.replay.runner import run_replay
     from kvplug.replay.trace import read_trace

@@ -21,7 +21,7 @@ from itertools import count
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from kvplug.index import Node
+    from kvplug.core.index import Node
 
 
 class EvictionPolicy(ABC):

@@ -15,7 +15,7 @@ from kvplug.errors import ConfigError
 from kvplug.policies.base import RankedPolicy
 
 if TYPE_CHECKING:
-    from kvplug.index import Node
+    from kvplug.core.index import Node
 
 
 class BeladyPolicy(RankedPolicy):

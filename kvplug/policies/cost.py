@@ -38,7 +38,7 @@ from kvplug.policies.base import RankedPolicy
 from kvplug.policies.value import BlockValue
 
 if TYPE_CHECKING:
-    from kvplug.index import Node
+    from kvplug.core.index import Node
 
 ReuseClass = tuple[int, ...]
 

@@ -13,7 +13,7 @@ from kvplug.policies.base import RankedPolicy
 from kvplug.policies.value import BlockValue
 
 if TYPE_CHECKING:
-    from kvplug.index import Node
+    from kvplug.core.index import Node
 
 
 class GDSFPolicy(RankedPolicy):

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from kvplug.policies.base import RankedPolicy
 
 if TYPE_CHECKING:
-    from kvplug.index import Node
+    from kvplug.core.index import Node
 
 
 class LFUPolicy(RankedPolicy):

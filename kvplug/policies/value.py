@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvplug.cost import ModelSpec, load_model
+from kvplug.core.model_spec import ModelSpec, load_model
 
 if TYPE_CHECKING:
-    from kvplug.index import Node
+    from kvplug.core.index import Node
 
 
 class BlockValue:

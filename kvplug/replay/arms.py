@@ -16,7 +16,7 @@ import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from kvplug.cache import KVCache
+from kvplug.core.cache import KVCache
 from kvplug.policies import EvictionPolicy
 
 FRESH_UNIT_BASE = 1 << 40  # unit ids at or above this are never shared

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from kvplug.cost import DEFAULT_MODEL, load_model
+from kvplug.core.model_spec import DEFAULT_MODEL, load_model
 from kvplug.replay.loop import Timing
 from kvplug.replay.report import FORMATS, plot, render
 from kvplug.replay.runner import check_arm_names, run_replay

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from kvplug.cost import ModelSpec
+from kvplug.core.model_spec import ModelSpec
 from kvplug.replay.arms import FRESH_UNIT_BASE, CacheArm
 from kvplug.replay.trace import Trace
 

@@ -15,9 +15,9 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from kvplug.cost import ModelSpec
+from kvplug.core.index import Node
+from kvplug.core.model_spec import ModelSpec
 from kvplug.errors import KVPlugError, UnknownPolicyError
-from kvplug.index import Node
 from kvplug.policies import available_policies, make_policy
 from kvplug.policies.belady import BeladyPolicy
 from kvplug.replay.arms import ArmUnavailable, CacheArm, KVPlugArm

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvplug.cost import ModelSpec, load_model
+from kvplug.core.model_spec import ModelSpec, load_model
 from kvplug.errors import ConfigError
 from kvplug.serving.client import run_workload, warm_up
 from kvplug.serving.metrics import Metrics, parse_metrics

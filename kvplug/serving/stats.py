@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from kvplug.cost import ModelSpec
+from kvplug.core.model_spec import ModelSpec
 from kvplug.serving.client import RequestResult
 from kvplug.serving.metrics import PREEMPTIONS, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, Metrics
 

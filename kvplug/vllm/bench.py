@@ -12,7 +12,7 @@ model's forward pass:
   blocks here, which is where kvplug ranks them).
 
 No model runs. The schedulers are real vLLM schedulers, built as vLLM's own scheduler unit
-tests build them: a `VllmConfig` for a tiny model directory (`kvplug.tiny_model`, tokenizer
+tests build them: a `VllmConfig` for a tiny model directory (`kvplug.tools.tiny_model`, tokenizer
 not loaded), a `KVCacheConfig` of ``num_blocks`` blocks with one full-attention group and
 no tensors, a `StructuredOutputManager`. The model runner's output is fabricated: one
 sampled token for each request whose prompt is fully computed, a token that depends only on
@@ -74,7 +74,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 import kvplug.vllm
-from kvplug.vllm.pool import KVPlugBlockPool
+from kvplug.vllm.block_pool import KVPlugBlockPool
 
 STOCK = "stock"
 TOKEN_BASE = 4  # token ids below this are the tiny model's special tokens
@@ -483,7 +483,7 @@ def bench_vllm_step(
     results: list[ArmResult] = []
     with tempfile.TemporaryDirectory(prefix="kvplug-bench-") as tmp:
         if model_dir is None:
-            from kvplug.tiny_model import build_tiny_model
+            from kvplug.tools.tiny_model import build_tiny_model
 
             model_dir = build_tiny_model(Path(tmp) / "tiny-llama", "llama")
         for num_blocks in sizes:

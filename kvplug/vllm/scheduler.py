@@ -31,11 +31,11 @@ from vllm.v1.core.sched import scheduler as vllm_scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvplug.config import KVPlugConfig
-from kvplug.cost import ModelSpec, load_model
+from kvplug.core.model_spec import ModelSpec, load_model
 from kvplug.errors import ConfigError
 from kvplug.policies import available_policies, make_policy
 from kvplug.policies.base import EvictionPolicy
-from kvplug.vllm.pool import KVPlugBlockPool, Release
+from kvplug.vllm.block_pool import KVPlugBlockPool, Release
 from kvplug.vllm.stats import METRICS_DIR_ENV, PoolStats, SnapshotWriter
 from kvplug.vllm.version import check_vllm_version
 

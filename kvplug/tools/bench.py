@@ -1,4 +1,4 @@
-"""Benchmarks that print figures: ``kvplug bench core`` or ``python -m kvplug.bench core``.
+"""Benchmarks that print figures: ``kvplug bench core`` or ``python -m kvplug.tools.bench core``.
 
 `core` measures the engine-neutral cache on this machine:
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import click
 
-from kvplug.cache import KVCache
+from kvplug.core.cache import KVCache
 
 
 @dataclass
@@ -177,7 +177,7 @@ def replay_speed(requests: int, policies: str, capacity_fraction: float) -> None
     """Seconds to replay a large synthetic trace (realistic mode), one policy at a time."""
     from dataclasses import replace
 
-    from kvplug.cost import load_model
+    from kvplug.core.model_spec import load_model
     from kvplug.replay.runner import run_replay
     from kvplug.replay.synthetic import synthetic_trace
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import click
 
-from kvplug.cache import KVCache
+from kvplug.core.cache import KVCache
 
 
 @dataclass

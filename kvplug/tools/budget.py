@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import click
 
-from kvplug.cost import DEFAULT_MODEL, kv_budget, load_model
+from kvplug.core.model_spec import DEFAULT_MODEL, kv_budget, load_model
 
 
 @click.command()

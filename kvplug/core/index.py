@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import TYPE_CHECKING
 
-from kvplug.keys import BlockKey, Namespace
+from kvplug.core.keys import BlockKey, Namespace
 
 if TYPE_CHECKING:
-    from kvplug.pool import Block
+    from kvplug.core.pool import Block
 
 
 @dataclass(slots=True, eq=False)

@@ -9,7 +9,7 @@ both sides on one trace:
    (1-64, 65-512, 513-4096, 4097-16384 tokens by default) with the given weights, then a
    length uniformly inside it;
 2. accounting, per block size (no torch needed): every sequence is added to a real
-   `kvplug.cache.KVCache` with that block size; its `usage()` and `metrics` give logical
+   `kvplug.core.cache.KVCache` with that block size; its `usage()` and `metrics` give logical
    tokens, physical slots, tail waste, block-table entries and block allocations;
 3. latency, per block size: one paged decode step over the same sequences with a kernel
    backend (`kvplug.kernels`), keys and values laid out in shuffled blocks. On CPU the
@@ -34,7 +34,7 @@ from typing import Any
 
 import click
 
-from kvplug.cache import KVCache
+from kvplug.core.cache import KVCache
 from kvplug.errors import ConfigError, KVPlugError
 
 DEFAULT_BUCKETS: tuple[tuple[int, int], ...] = ((1, 64), (65, 512), (513, 4096), (4097, 16384))

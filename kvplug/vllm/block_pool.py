@@ -50,7 +50,7 @@ class CachedBlock:
     """One block's record while it has a hash: the policy's node for it, and its place in
     the tree.
 
-    It has the fields a policy reads from `kvplug.index.Node` (a policy never sees the
+    It has the fields a policy reads from `kvplug.core.index.Node` (a policy never sees the
     difference) without a child map: the pool only counts children that are free. Each
     physical block has one record, made with the pool and renewed (`reset`, new serial)
     for each hash the block holds, so serving allocates nothing per cached block.

@@ -15,7 +15,7 @@ At the fence, full blocks are sealed and published in the order they were filled
 drained blocks go back to the pool (a full block of a cancelled request whose write was
 in flight is published instead, if it can be).
 
-Invariants (checked by `check_invariants`, see `kvplug.pool` for the states):
+Invariants (checked by `check_invariants`, see `kvplug.core.pool` for the states):
 
 - every block is in exactly one state, and that state agrees with the free queue, the
   index and the block tables;
@@ -39,6 +39,12 @@ from heapq import heappop, heappush
 from itertools import count
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kvplug.core.events import BlockRemoved, BlockStored, EventSink
+from kvplug.core.groups import CacheGroupSpec
+from kvplug.core.index import Node, PrefixIndex
+from kvplug.core.keys import DEFAULT_HASH, BlockHasher, BlockKey, MMFeature, Namespace, block_extras
+from kvplug.core.metrics import CacheMetrics, Usage
+from kvplug.core.pool import Block, BlockPool, BlockState
 from kvplug.errors import (
     CapacityError,
     ConfigError,
@@ -48,12 +54,7 @@ from kvplug.errors import (
     OutOfBlocksError,
     UnknownRequestError,
 )
-from kvplug.groups import CacheGroupSpec
-from kvplug.index import Node, PrefixIndex
-from kvplug.keys import DEFAULT_HASH, BlockHasher, BlockKey, MMFeature, Namespace, block_extras
-from kvplug.metrics import CacheMetrics, Usage
 from kvplug.policies import EvictionPolicy, make_policy
-from kvplug.pool import Block, BlockPool, BlockState
 
 if TYPE_CHECKING:
     from kvplug.config import KVPlugConfig
@@ -108,10 +109,12 @@ class KVCache:
         policy: an `EvictionPolicy` or a registered policy name.
         enable_prefix_caching: publish full blocks and reuse them across requests.
         namespace: the default namespace of requests that name none.
-        hash_algo: one of `kvplug.keys.HASH_ALGORITHMS`.
+        hash_algo: one of `kvplug.core.keys.HASH_ALGORITHMS`.
         share_across_tenants: ignore `Namespace.tenant` when keying blocks.
         max_model_len: the default maximum tokens per request (None: unbounded).
         pool, group: share one `BlockPool` between several caches, one per group.
+        event_sink: called with a `BlockStored` or `BlockRemoved` each time a block enters
+            or leaves the prefix index (what vLLM publishes as KV events).
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class KVCache:
         pool: BlockPool | None = None,
         group: int = 0,
         spec: CacheGroupSpec | None = None,
+        event_sink: EventSink | None = None,
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ConfigError(f"block_size must be an integer >= 1, got {block_size!r}")
@@ -163,6 +167,7 @@ class KVCache:
         self._draining: list[tuple[int, int, Block]] = []
         self._drain_seq = count()
         self._num_reclaimable = 0  # EVICTABLE blocks known to the policy
+        self.event_sink = event_sink
 
     @classmethod
     def from_config(
@@ -713,6 +718,9 @@ class KVCache:
             self.index.discard_root_if_empty(req.namespace)
             return
         node = self.index.insert(parent, key, tokens, extras, block)
+        if self.event_sink is not None:
+            parent_key = parent.key if parent.block is not None else None
+            self.event_sink(BlockStored(key, parent_key, len(tokens)))
         self.policy.discard_candidate(parent)  # it is no longer a leaf
         block.node = node
         block.ref_cnt += 1
@@ -739,6 +747,8 @@ class KVCache:
             self._num_reclaimable -= 1
         self.index.remove(node)
         self.policy.remove(node)
+        if self.event_sink is not None:
+            self.event_sink(BlockRemoved(node.key))
         block.node = None
         block.ref_cnt -= 1
         if block.ref_cnt == 0:

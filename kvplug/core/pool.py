@@ -23,7 +23,7 @@ Reference count: ``ref_cnt == (number of block tables holding the block) + (1 if
 in the prefix index)``. It never goes negative; a block is FREE exactly when it is in
 the free queue, and then its reference count is 0.
 
-The pool knows nothing of requests or the index: `kvplug.cache.KVCache` drives the
+The pool knows nothing of requests or the index: `kvplug.core.cache.KVCache` drives the
 transitions; the pool only hands out and takes back blocks in O(1).
 """
 
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from kvplug.errors import ConfigError, KVPlugError, OutOfBlocksError
 
 if TYPE_CHECKING:
-    from kvplug.index import Node
+    from kvplug.core.index import Node
 
 
 class BlockState(StrEnum):
