@@ -1,0 +1,5 @@
+"""``python -m kvplug``: the same as the ``kvplug`` command."""
+
+from kvplug.cli import main
+
+main()
