@@ -1,7 +1,11 @@
 """The paged KV cache: block tables, sharing, fences, the prefix index and eviction.
 
-`KVCache` is kvplug's engine-neutral block manager. An engine adapter calls it with
-token ids and request ids; it answers with block ids and copy operations.
+`KVCache` is kvplug's engine-neutral block manager and the one object that changes the
+cache's state. An engine adapter (or the replay) calls it with token ids and request
+ids; it answers with block ids and copy operations. It keeps the requests and their
+block tables itself and delegates the rest: `kvplug.core.fences.StepClock` (steps and
+what waits for a fence), `kvplug.core.prefix_cache.PrefixCache` (keys, the index and
+the eviction core) and `kvplug.core.audit` (the invariants below, and usage gauges).
 
 Steps and fences. Work is issued in numbered steps. Every append tags the blocks it
 writes, and the request's whole table as read, with the current step (`step`). The caller
@@ -32,24 +36,23 @@ Every public method either completes or raises with the cache unchanged.
 
 from __future__ import annotations
 
-from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from heapq import heappop, heappush
-from itertools import count
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvplug.core.events import BlockRemoved, BlockStored, EventSink
+from kvplug.core import audit
+from kvplug.core.events import EventSink
+from kvplug.core.fences import PendingWrite, StepClock
 from kvplug.core.groups import CacheGroupSpec
 from kvplug.core.index import Node, PrefixIndex
 from kvplug.core.keys import DEFAULT_HASH, BlockHasher, BlockKey, MMFeature, Namespace, block_extras
 from kvplug.core.metrics import CacheMetrics, Usage
 from kvplug.core.pool import Block, BlockPool, BlockState
+from kvplug.core.prefix_cache import PrefixCache
 from kvplug.errors import (
     CapacityError,
     ConfigError,
     DuplicateRequestError,
-    FenceError,
     KVPlugError,
     OutOfBlocksError,
     UnknownRequestError,
@@ -90,14 +93,6 @@ class Copy(NamedTuple):
 class AppendResult(NamedTuple):
     new_blocks: list[int]  # ids of blocks attached to the table by this append
     copies: list[Copy]  # to run before the step's writes
-
-
-class _Pending(NamedTuple):
-    """A full block whose write is in flight, to seal and publish at its fence."""
-
-    step: int
-    req: Request
-    index: int  # position of the block in req.table
 
 
 class KVCache:
@@ -150,24 +145,23 @@ class KVCache:
                 f"{pool.page_bytes} B; groups sharing a pool need equal page sizes"
             )
         self.group = group
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        self.policy.bind(block_size, len(self.pool))
+        policy = make_policy(policy) if isinstance(policy, str) else policy
+        policy.bind(block_size, len(self.pool))
         self.enable_prefix_caching = enable_prefix_caching
         self.namespace = namespace or Namespace()
-        self.hasher = BlockHasher(hash_algo)
         self.share_across_tenants = share_across_tenants
         self.max_model_len = max_model_len
-        self.index = PrefixIndex()
         self.metrics = CacheMetrics()
+        self.prefix = PrefixCache(
+            policy,
+            block_size,
+            hash_algo,
+            self.metrics,
+            enabled=enable_prefix_caching,
+            event_sink=event_sink,
+        )
+        self.clock: StepClock[Request] = StepClock()
         self.requests: dict[RequestId, Request] = {}
-        self.step = 1  # the step being issued
-        self.last_fence = 0  # every step <= last_fence is finished
-        self._pending: deque[_Pending] = deque()
-        # (busy until step, tie-breaker, block): blocks waiting for a fence to settle
-        self._draining: list[tuple[int, int, Block]] = []
-        self._drain_seq = count()
-        self._num_reclaimable = 0  # EVICTABLE blocks known to the policy
-        self.event_sink = event_sink
 
     @classmethod
     def from_config(
@@ -202,13 +196,35 @@ class KVCache:
     # ------------------------------------------------------------------ queries
 
     @property
+    def policy(self) -> EvictionPolicy:
+        return self.prefix.policy
+
+    @property
+    def index(self) -> PrefixIndex:
+        return self.prefix.index
+
+    @property
+    def hasher(self) -> BlockHasher:
+        return self.prefix.hasher
+
+    @property
+    def step(self) -> int:
+        """The step being issued."""
+        return self.clock.step
+
+    @property
+    def last_fence(self) -> int:
+        """Every step up to this one has finished."""
+        return self.clock.last_fence
+
+    @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
     @property
     def num_reclaimable(self) -> int:
         """Blocks an allocation can get now: free ones plus evictable ones no step pins."""
-        return self.pool.num_free + self._num_reclaimable
+        return self.pool.num_free + self.prefix.num_evictable
 
     def resolve_namespace(self, namespace: Namespace | None = None) -> Namespace:
         """The namespace blocks are keyed under: the cache's block size is always part of it,
@@ -229,7 +245,10 @@ class KVCache:
         At most ``(len(prompt) - 1) // block_size`` blocks: the last prompt token is always
         computed, so the model produces logits. Changes nothing.
         """
-        nodes, _ = self._lookup(prompt, self.resolve_namespace(namespace), tuple(mm_features))
+        if not self.enable_prefix_caching:
+            return []
+        ns = self.resolve_namespace(namespace)
+        nodes, _ = self.prefix.lookup(prompt, ns, tuple(mm_features))
         return nodes
 
     def admission_blocks(self, nodes: Sequence[Node], num_tokens: int) -> int:
@@ -284,8 +303,8 @@ class KVCache:
             )
         ns = self.resolve_namespace(namespace)
         features = tuple(mm_features)
-        nodes, keys = self._lookup(prompt, ns, features)
-        req = Request(req_id, ns, self.hasher.root_key(ns), features, limit)
+        nodes, keys = self.prefix.lookup(prompt, ns, features)
+        req = Request(req_id, ns, self.prefix.root_key(ns), features, limit)
         for node in nodes:
             self._acquire(node)
         req.table = [node.block for node in nodes]  # type: ignore[misc]
@@ -347,7 +366,7 @@ class KVCache:
             block.write_step = self.step
             if block.num_tokens == bs:
                 self._key_full_block(req)
-                self._pending.append(_Pending(self.step, req, len(req.table) - 1))
+                self.clock.write_pending(req, len(req.table) - 1)
         req.last_step = self.step
         return AppendResult(new_blocks, copies)
 
@@ -415,8 +434,7 @@ class KVCache:
 
     def next_step(self) -> int:
         """Start issuing a new step (without fencing the current one); returns its number."""
-        self.step += 1
-        return self.step
+        return self.clock.next_step()
 
     def complete_step(self) -> int:
         """Fence the current step and start the next; returns the step fenced."""
@@ -426,21 +444,13 @@ class KVCache:
 
     def fence(self, step: int) -> None:
         """Every step up to and including `step` has finished reading and writing."""
-        if step < self.last_fence:
-            raise FenceError(f"fence {step} is older than fence {self.last_fence} already seen")
-        if step > self.step:
-            raise FenceError(f"fence {step} names a step not issued yet (current step {self.step})")
-        self.last_fence = step
-        if step == self.step:
-            self.step += 1
-        while self._pending and self._pending[0].step <= step:
-            self._complete_write(self._pending.popleft())
-        while self._draining and self._draining[0][0] <= step:
-            _, _, block = heappop(self._draining)
+        for write in self.clock.fence(step):
+            self._complete_write(write)
+        for block in self.clock.drained():
             waiting = block.state is BlockState.DRAINING or (
                 block.state is BlockState.EVICTABLE and block.pinned
             )
-            if waiting and not self._busy(block):
+            if waiting and not self.clock.busy(block):
                 block.pinned = False
                 self._settle(block)
 
@@ -451,10 +461,10 @@ class KVCache:
         evicted = 0
         while evicted < num_blocks:
             # One at a time: a victim's parent may become the next candidate (vLLM's order).
-            victims = self.policy.choose_victims(1)
-            if not victims:
+            victim = self.prefix.next_victim()
+            if victim is None:
                 break
-            self._evict(victims[0])
+            self._evict(victim)
             evicted += 1
         return evicted
 
@@ -464,101 +474,24 @@ class KVCache:
         Blocks still held by requests stay with them (SEALED) and are freed when released;
         the rest are freed now, or at their fence. Returns the entries dropped.
         """
-        if namespace is None:
-            roots = list(self.index.roots.values())
-        else:
-            root = self.index.roots.get(self.resolve_namespace(namespace))
-            roots = [root] if root is not None else []
+        scope = None if namespace is None else self.resolve_namespace(namespace)
         dropped = 0
-        for root in roots:
-            for node in list(self.index.walk(root)):
-                self._unindex(node)
-                dropped += 1
+        for node in self.prefix.nodes(scope):
+            self._unindex(node)
+            dropped += 1
         self.metrics.invalidations += dropped
         return dropped
 
     # ------------------------------------------------------------------ reports
 
     def usage(self) -> Usage:
-        held: dict[int, Block] = {}
-        logical = entries = 0
-        for req in self.requests.values():
-            logical += len(req.tokens)
-            entries += len(req.table)
-            for block in req.table:
-                held[block.block_id] = block
-        slots = len(held) * self.block_size
-        filled = sum(block.num_tokens for block in held.values())
-        states = Counter(block.state.value for block in self._my_blocks())
-        return Usage(
-            logical_tokens=logical,
-            physical_token_slots=slots,
-            tail_waste=slots - filled,
-            block_table_entries=entries,
-            blocks_by_state={state.value: states.get(state.value, 0) for state in BlockState},
-            cached_blocks=len(self.index),
-        )
+        """What the live requests and the cache hold now (O(total))."""
+        return audit.usage(self)
 
     def check_invariants(self) -> None:
-        """Audit every block, table and index entry (O(total)); raise AssertionError on a breach."""
-        tables: Counter[int] = Counter()
-        for req in self.requests.values():
-            assert len(req.table) == -(-len(req.tokens) // self.block_size), req.req_id
-            assert len(req.keys) == len(req.tokens) // self.block_size, req.req_id
-            for i, block in enumerate(req.table):
-                tables[block.block_id] += 1
-                assert block.state is not BlockState.FREE, f"{req.req_id} holds free block"
-                full = (i + 1) * self.block_size <= len(req.tokens)
-                expected = self.block_size if full else len(req.tokens) - i * self.block_size
-                assert block.num_tokens == expected, (req.req_id, i, block)
-                if block.node is not None:  # the table holds the block's whole index chain
-                    assert block.node.depth == i and block.node.key == req.keys[i]
-                    parent = block.node.parent
-                    assert parent is not None
-                    assert (parent.block is None) if i == 0 else (parent.block is req.table[i - 1])
-
-        free_ids = self.pool.free_ids()
-        indexed = {node.block.block_id for node in self.index.nodes() if node.block is not None}
-        counts: Counter[BlockState] = Counter()
-        reclaimable = 0
-        candidates = 0
-        for block in self._my_blocks():
-            counts[block.state] += 1
-            n_tables = tables[block.block_id]
-            in_index = block.node is not None
-            assert in_index == (block.block_id in indexed), block
-            assert block.ref_cnt == n_tables + in_index, (block, n_tables)
-            assert block.ref_cnt >= 0
-            assert (block.state is BlockState.FREE) == (block.block_id in free_ids), block
-            assert block.pinned == (block.state is BlockState.EVICTABLE and self._busy(block))
-            full = block.num_tokens == self.block_size
-            state = block.state
-            if state is BlockState.FREE:
-                assert block.ref_cnt == 0 and not self._busy(block), block
-            elif state is BlockState.WRITING:
-                assert (
-                    n_tables and not in_index and (not full or block.write_step > self.last_fence)
-                )
-            elif state is BlockState.SEALED:
-                assert n_tables and not in_index and full and block.write_step <= self.last_fence
-            elif state is BlockState.PUBLISHED:
-                assert n_tables and in_index, block
-            elif state is BlockState.EVICTABLE:
-                assert not n_tables and in_index, block
-                if not block.pinned:
-                    reclaimable += 1
-                    candidates += block.node.is_leaf  # type: ignore[union-attr]
-            else:  # DRAINING
-                assert not n_tables and not in_index and self._busy(block), block
-        assert reclaimable == self._num_reclaimable, (reclaimable, self._num_reclaimable)
-        assert candidates == len(self.policy), (candidates, len(self.policy))
-        for node in self.index.nodes():
-            block = node.block
-            assert block is not None and block.node is node
-            assert block.state in (BlockState.PUBLISHED, BlockState.EVICTABLE)
-            assert node.parent is not None and node.parent.children.get(node.key) is node
-            assert len(node.tokens) == self.block_size
-        assert sum(counts.values()) == sum(1 for _ in self._my_blocks())
+        """Audit every block, table and index entry (O(total)); raise AssertionError on a
+        breach. The invariants are listed in the module doc."""
+        audit.check_invariants(self)
 
     # ------------------------------------------------------------------ internals
 
@@ -570,16 +503,9 @@ class KVCache:
             )
         return req
 
-    def _my_blocks(self) -> Iterable[Block]:
+    def blocks_of_group(self) -> Iterable[Block]:
         """This group's blocks, and the free ones (which belong to no group)."""
         return (b for b in self.pool.blocks if b.group == self.group or b.state is BlockState.FREE)
-
-    @staticmethod
-    def _busy_step(block: Block) -> int:
-        return max(block.busy_until, block.write_step)
-
-    def _busy(self, block: Block) -> bool:
-        return self._busy_step(block) > self.last_fence
 
     def _blocks_needed(self, req: Request, num_tokens: int) -> int:
         bs = self.block_size
@@ -588,40 +514,12 @@ class KVCache:
         cow = num_tokens > 0 and have % bs != 0 and req.table[-1].ref_cnt > 1
         return grow + cow
 
-    def _lookup(
-        self, prompt: Sequence[int], ns: Namespace, features: tuple[MMFeature, ...]
-    ) -> tuple[list[Node], list[BlockKey]]:
-        nodes: list[Node] = []
-        keys: list[BlockKey] = []
-        if not self.enable_prefix_caching:
-            return nodes, keys
-        node = self.index.roots.get(ns)
-        if node is None:
-            return nodes, keys
-        bs = self.block_size
-        parent_key = node.key
-        for i in range((len(prompt) - 1) // bs):
-            tokens = tuple(prompt[i * bs : (i + 1) * bs])
-            extras = block_extras(features, i * bs, (i + 1) * bs)
-            parent_key = self.hasher.block_key(parent_key, tokens, extras)
-            node = self.index.child(node, parent_key, tokens, extras)  # type: ignore[assignment]
-            if node is None:
-                break
-            nodes.append(node)
-            keys.append(parent_key)
-        return nodes, keys
-
     def _key_full_block(self, req: Request) -> None:
         """Compute the key of the request's block that just became full."""
-        i = len(req.keys)
-        bs = self.block_size
+        start = len(req.keys) * self.block_size
         parent = req.keys[-1] if req.keys else req.root_key
-        tokens = req.tokens[i * bs : (i + 1) * bs]
-        req.keys.append(
-            self.hasher.block_key(
-                parent, tokens, block_extras(req.mm_features, i * bs, (i + 1) * bs)
-            )
-        )
+        tokens = req.tokens[start : start + self.block_size]
+        req.keys.append(self.prefix.block_key(parent, tokens, req.mm_features, start))
 
     def _allocate(self) -> Block:
         block = self.pool.allocate(self.group)
@@ -633,10 +531,10 @@ class KVCache:
         missing = num_blocks - self.pool.num_free
         if missing <= 0:
             return
-        if missing > self._num_reclaimable:
+        if missing > self.prefix.num_evictable:
             raise OutOfBlocksError(
                 f"need {num_blocks} blocks: {self.pool.num_free} free and "
-                f"{self._num_reclaimable} evictable; the rest are in use or awaiting a fence"
+                f"{self.prefix.num_evictable} evictable; the rest are in use or awaiting a fence"
             )
         evicted = self.evict(missing)
         assert evicted == missing, "policy candidates out of step with reclaimable blocks"
@@ -646,38 +544,28 @@ class KVCache:
         block = node.block
         assert block is not None
         if block.state is BlockState.EVICTABLE:
-            if block.pinned:
-                block.pinned = False
-            else:
-                self.policy.discard_candidate(node)
-                self._num_reclaimable -= 1
+            block.pinned = False  # a pinned block was never offered to the policy
             block.state = BlockState.PUBLISHED
         block.ref_cnt += 1
-        node.hits += 1
-        self.policy.hit(node)
+        self.prefix.hit(node)
 
     def _settle(self, block: Block) -> None:
         """Place a block that no table holds: evictable, draining, or free."""
+        busy = self.clock.busy(block)
         if block.node is not None:
             block.state = BlockState.EVICTABLE
-            if self._busy(block):
+            if busy:
                 block.pinned = True
-                self._wait_for_fence(block)
+                self.clock.wait_for_fence(block)
                 return
             self._record_release(block)
-            self.policy.release(block.node)
-            self._num_reclaimable += 1
-            if block.node.is_leaf:
-                self.policy.add_candidate(block.node)
-        elif self._busy(block):
+            self.prefix.offer(block.node)
+        elif busy:
             block.state = BlockState.DRAINING
-            self._wait_for_fence(block)
+            self.clock.wait_for_fence(block)
         else:
             self._record_release(block)
             self._free(block)
-
-    def _wait_for_fence(self, block: Block) -> None:
-        heappush(self._draining, (self._busy_step(block), next(self._drain_seq), block))
 
     def _record_release(self, block: Block) -> None:
         """Record, once, how many steps had to finish between the block's release and its
@@ -690,9 +578,9 @@ class KVCache:
         self.pool.free(block)
         self.metrics.frees += 1
 
-    def _complete_write(self, entry: _Pending) -> None:
+    def _complete_write(self, write: PendingWrite[Request]) -> None:
         """At its fence: a filled block is sealed, then published if it can be."""
-        req, i = entry.req, entry.index
+        req, i = write.request, write.index
         block = req.table[i]
         if block.state is BlockState.WRITING:
             block.state = BlockState.SEALED
@@ -701,31 +589,19 @@ class KVCache:
             BlockState.DRAINING,
         ):
             return
-        if i == 0:
-            parent = self.index.root(req.namespace, req.root_key, create=True)
-        else:
-            parent = req.table[i - 1].node
-        if parent is None:  # the block before it is not indexed: keep the index prefix-closed
+        parent = req.table[i - 1].node if i else None
+        if i and parent is None:  # the block before it is not indexed: keep the index closed
             return
-        bs = self.block_size
-        tokens = tuple(req.tokens[i * bs : (i + 1) * bs])
-        extras = block_extras(req.mm_features, i * bs, (i + 1) * bs)
-        key = req.keys[i]
-        if key in parent.children:  # the same content was published first by another request
+        size = self.block_size
+        tokens = tuple(req.tokens[i * size : (i + 1) * size])
+        extras = block_extras(req.mm_features, i * size, (i + 1) * size)
+        node = self.prefix.publish(
+            req.namespace, req.root_key, parent, req.keys[i], tokens, extras, block
+        )
+        if node is None:
             return
-        if not self.policy.admit(Node(-1, key, tokens, extras, parent, block, parent.depth + 1)):
-            self.metrics.rejected += 1
-            self.index.discard_root_if_empty(req.namespace)
-            return
-        node = self.index.insert(parent, key, tokens, extras, block)
-        if self.event_sink is not None:
-            parent_key = parent.key if parent.block is not None else None
-            self.event_sink(BlockStored(key, parent_key, len(tokens)))
-        self.policy.discard_candidate(parent)  # it is no longer a leaf
         block.node = node
         block.ref_cnt += 1
-        self.metrics.published += 1
-        self.policy.insert(node)
         if block.state is BlockState.DRAINING:  # its request was cancelled mid-write
             block.state = BlockState.EVICTABLE
             self._settle(block)
@@ -741,14 +617,7 @@ class KVCache:
         """Remove a leaf from lookups; free its block if nothing else holds it."""
         block = node.block
         assert block is not None
-        parent = node.parent
-        if block.state is BlockState.EVICTABLE and not block.pinned:
-            self.policy.discard_candidate(node)
-            self._num_reclaimable -= 1
-        self.index.remove(node)
-        self.policy.remove(node)
-        if self.event_sink is not None:
-            self.event_sink(BlockRemoved(node.key))
+        self.prefix.unindex(node)
         block.node = None
         block.ref_cnt -= 1
         if block.ref_cnt == 0:
@@ -756,11 +625,3 @@ class KVCache:
             self._settle(block)
         else:  # held: indexed blocks are always fully written
             block.state = BlockState.SEALED
-        if (
-            parent is not None
-            and parent.block is not None
-            and parent.is_leaf
-            and parent.block.state is BlockState.EVICTABLE
-            and not parent.block.pinned
-        ):
-            self.policy.add_candidate(parent)

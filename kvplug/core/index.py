@@ -22,7 +22,10 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True, eq=False)
 class Node:
-    """One cached block (or, with ``block=None``, the root of a namespace)."""
+    """One cached block (or, with ``block=None``, the root of a namespace).
+
+    It satisfies the policies' `CachedNode` contract and the eviction core's `TreeNode`.
+    """
 
     serial: int
     key: BlockKey
@@ -36,6 +39,10 @@ class Node:
     request_hit: bool = False  # at its last release: whether that request reused cache
     request_output: int = 0  # at its last release: tokens that request generated
     children: dict[BlockKey, Node] = field(default_factory=dict, repr=False)
+    # kept by the eviction core (`kvplug.core.eviction.TreeNode`)
+    parent_serial: int = -1
+    cached_children: int = 0
+    evictable: bool = False
 
     @property
     def is_leaf(self) -> bool:

@@ -1,7 +1,16 @@
-"""Eviction policies by name.
+"""Eviction policies by name: the decisions, one small strategy class each.
 
 Policies shipped with kvplug and those other packages declare under the entry-point
 group ``kvplug.policies`` (``name = "package.module:PolicyClass"``) are found by name.
+A policy reads cached blocks through `node.CachedNode` only; the eviction core
+(`kvplug.core.eviction`) tells it what happened and asks for the next victim.
+
+| module | owns |
+|---|---|
+| `node` | `CachedNode`, the fields a policy may read |
+| `base` | `EvictionPolicy` and `RankedPolicy` (one rank per release, a lazy heap) |
+| `value` | `BlockValue`: the prefill FLOPs a block saves at its depth |
+| `lru`, `lfu`, `gdsf`, `cost`, `belady` | the policies |
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
-"""The interface between the cache and an eviction policy.
+"""The interface between a cache and an eviction policy.
 
-The cache owns the prefix index and the block lifecycle; a policy only ranks. The cache
-tells the policy what happened to an index node, and asks it which evictable leaves to
-evict and whether a new block is worth admitting.
+A policy only ranks. The cache (kvplug's `KVCache`, or an engine adapter) tells it what
+happened to a cached block, through the eviction core (`kvplug.core.eviction`), and asks
+it which candidate to evict next and whether a new block is worth admitting. Policies
+read blocks through the `kvplug.policies.node.CachedNode` contract and nothing else.
 
-Candidates. A node is an eviction *candidate* while it is in the index, held by no
-request (state EVICTABLE) and has no children in the index (a leaf). The cache keeps the
-policy's candidate set exact with `add_candidate` / `discard_candidate`, so evicting only
-candidates keeps the index prefix-closed. `choose_victims` returns candidates and must not
-change anything: the cache removes them and reports each with `remove`.
+Candidates. A block is an eviction *candidate* while it is cached, held by nobody and has
+no cached children (a leaf). `kvplug.core.eviction.EvictionCore` keeps the policy's
+candidate set exact with `add_candidate` / `discard_candidate`, so evicting only
+candidates keeps every cached prefix whole. `choose_victims` returns candidates and must
+not change anything: the cache removes them and reports each with `remove`.
 
 Every method must run in O(log n) or better (amortised) in the number of cached blocks.
 """
@@ -21,7 +22,7 @@ from itertools import count
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from kvplug.core.index import Node
+    from kvplug.policies.node import CachedNode
 
 
 class EvictionPolicy(ABC):
@@ -32,36 +33,36 @@ class EvictionPolicy(ABC):
     def bind(self, block_size: int, num_blocks: int) -> None:
         """Called once by the cache that uses the policy."""
 
-    def admit(self, node: Node) -> bool:
-        """Return False to keep a new block out of the index (it is then freed with its request)."""
+    def admit(self, node: CachedNode) -> bool:
+        """Return False to keep a new block out of the cache (it is freed with its request)."""
         return True
 
-    def insert(self, node: Node) -> None:
-        """`node` was just published into the index."""
+    def insert(self, node: CachedNode) -> None:
+        """`node` was just cached (held by the request that wrote it)."""
 
-    def hit(self, node: Node) -> None:
+    def hit(self, node: CachedNode) -> None:
         """A lookup reused `node`."""
 
-    def release(self, node: Node) -> None:
+    def release(self, node: CachedNode) -> None:
         """The last request holding `node` let go of it; it is now evictable.
 
         `node.from_end` (blocks of that request after this one) and `node.request_hit`
         (whether that request reused cached blocks) describe the release.
         """
 
-    def remove(self, node: Node) -> None:
-        """`node` left the index (evicted or invalidated). It is never a candidate again."""
+    def remove(self, node: CachedNode) -> None:
+        """`node` left the cache (evicted or invalidated). It is never a candidate again."""
 
     @abstractmethod
-    def add_candidate(self, node: Node) -> None:
+    def add_candidate(self, node: CachedNode) -> None:
         """`node` became an evictable leaf."""
 
     @abstractmethod
-    def discard_candidate(self, node: Node) -> None:
+    def discard_candidate(self, node: CachedNode) -> None:
         """`node` stopped being an evictable leaf (it was hit, grew a child, or is leaving)."""
 
     @abstractmethod
-    def choose_victims(self, n: int) -> list[Node]:
+    def choose_victims(self, n: int) -> list[CachedNode]:
         """Up to `n` distinct current candidates, the first to evict first. Changes nothing."""
 
     @abstractmethod
@@ -82,32 +83,32 @@ class RankedPolicy(EvictionPolicy):
     def __init__(self) -> None:
         self._rank: dict[int, tuple[float, int]] = {}  # serial -> (rank, release order)
         self._heap: list[tuple[float, int, int]] = []  # (rank, release order, serial)
-        self._nodes: dict[int, Node] = {}  # serial -> node, for current candidates
+        self._nodes: dict[int, CachedNode] = {}  # serial -> node, for current candidates
         self._releases = count()
 
     @abstractmethod
-    def rank(self, node: Node) -> float:
+    def rank(self, node: CachedNode) -> float:
         """The node's standing when released: lower is evicted sooner."""
 
-    def release(self, node: Node) -> None:
+    def release(self, node: CachedNode) -> None:
         self._rank[node.serial] = (self.rank(node), next(self._releases))
 
-    def add_candidate(self, node: Node) -> None:
+    def add_candidate(self, node: CachedNode) -> None:
         rank, order = self._rank[node.serial]
         self._nodes[node.serial] = node
         heappush(self._heap, (rank, order, node.serial))
 
-    def discard_candidate(self, node: Node) -> None:
+    def discard_candidate(self, node: CachedNode) -> None:
         if self._nodes.pop(node.serial, None) is not None and len(self._heap) > 64 + 2 * len(
             self._nodes
         ):
             self._heap = [(*self._rank[serial], serial) for serial in self._nodes]
             heapify(self._heap)
 
-    def remove(self, node: Node) -> None:
+    def remove(self, node: CachedNode) -> None:
         self._rank.pop(node.serial, None)
 
-    def first_candidate(self) -> Node | None:
+    def first_candidate(self) -> CachedNode | None:
         """The next victim, or None if there is no candidate."""
         heap, nodes, ranks = self._heap, self._nodes, self._rank
         while heap:
@@ -117,7 +118,7 @@ class RankedPolicy(EvictionPolicy):
             heappop(heap)
         return None
 
-    def choose_victims(self, n: int) -> list[Node]:
+    def choose_victims(self, n: int) -> list[CachedNode]:
         if n == 1:
             first = self.first_candidate()
             return [] if first is None else [first]

@@ -15,21 +15,21 @@ from kvplug.errors import ConfigError
 from kvplug.policies.base import RankedPolicy
 
 if TYPE_CHECKING:
-    from kvplug.core.index import Node
+    from kvplug.policies.node import CachedNode
 
 
 class BeladyPolicy(RankedPolicy):
     name = "belady"
 
-    def __init__(self, next_use: Callable[[Node, int], float] | None = None) -> None:
+    def __init__(self, next_use: Callable[[CachedNode, int], float] | None = None) -> None:
         super().__init__()
         self._next_use = next_use
         self.now = 0  # the replay's clock: index of the request being admitted
 
-    def set_oracle(self, next_use: Callable[[Node, int], float]) -> None:
+    def set_oracle(self, next_use: Callable[[CachedNode, int], float]) -> None:
         self._next_use = next_use
 
-    def rank(self, node: Node) -> float:
+    def rank(self, node: CachedNode) -> float:
         if self._next_use is None:
             raise ConfigError("the belady policy needs the future: it runs only in trace replays")
         return -self._next_use(node, self.now)

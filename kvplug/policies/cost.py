@@ -38,7 +38,7 @@ from kvplug.policies.base import RankedPolicy
 from kvplug.policies.value import BlockValue
 
 if TYPE_CHECKING:
-    from kvplug.core.index import Node
+    from kvplug.policies.node import CachedNode
 
 ReuseClass = tuple[int, ...]
 
@@ -71,35 +71,35 @@ class CostPolicy(RankedPolicy):
         """Laplace-smoothed share of closed trials in `cls` that ended in a reuse."""
         return (self._reused[cls] + 1) / (self._tried[cls] + 2)
 
-    def reuses(self, node: Node) -> int:
+    def reuses(self, node: CachedNode) -> int:
         return node.hits + self._credit.get(node.serial, 0)
 
-    def classify(self, node: Node) -> ReuseClass:
+    def classify(self, node: CachedNode) -> ReuseClass:
         hits = self.reuses(node)
         output = min(node.request_output.bit_length(), 12)
         if hits:
             return (min(hits, 3), output)
         return (0, min(node.from_end, 3), int(node.request_hit), output)
 
-    def rank(self, node: Node) -> float:
+    def rank(self, node: CachedNode) -> float:
         cls = self.classify(node)
         self._trial[node.serial] = cls
         frequency = 1 + min(node.hits, 3)
         return self.inflation + frequency * self.reuse_probability(cls) * self.value(node)
 
-    def insert(self, node: Node) -> None:
+    def insert(self, node: CachedNode) -> None:
         ghost = self._ghosts.pop(node.key, None)
         if ghost is not None:  # evicted, and wanted again: it was reused after all
             cls, hits = ghost
             self._close(cls, reused=True)
             self._credit[node.serial] = hits + 1
 
-    def hit(self, node: Node) -> None:
+    def hit(self, node: CachedNode) -> None:
         cls = self._trial.pop(node.serial, None)
         if cls is not None:
             self._close(cls, reused=True)
 
-    def remove(self, node: Node) -> None:
+    def remove(self, node: CachedNode) -> None:
         ranked = self._rank.get(node.serial)
         if ranked is not None:
             self.inflation = max(self.inflation, ranked[0])

@@ -13,7 +13,7 @@ from kvplug.policies.base import RankedPolicy
 from kvplug.policies.value import BlockValue
 
 if TYPE_CHECKING:
-    from kvplug.core.index import Node
+    from kvplug.policies.node import CachedNode
 
 
 class GDSFPolicy(RankedPolicy):
@@ -27,10 +27,10 @@ class GDSFPolicy(RankedPolicy):
     def bind(self, block_size: int, num_blocks: int) -> None:
         self.value.bind(block_size)
 
-    def rank(self, node: Node) -> float:
+    def rank(self, node: CachedNode) -> float:
         return self.inflation + (node.hits + 1) * self.value(node)
 
-    def remove(self, node: Node) -> None:
+    def remove(self, node: CachedNode) -> None:
         ranked = self._rank.get(node.serial)
         if ranked is not None:
             self.inflation = max(self.inflation, ranked[0])

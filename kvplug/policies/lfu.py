@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 from kvplug.policies.base import RankedPolicy
 
 if TYPE_CHECKING:
-    from kvplug.core.index import Node
+    from kvplug.policies.node import CachedNode
 
 
 class LFUPolicy(RankedPolicy):
     name = "lfu"
 
-    def rank(self, node: Node) -> float:
+    def rank(self, node: CachedNode) -> float:
         return float(node.hits)

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 from kvplug.policies.base import RankedPolicy
 
 if TYPE_CHECKING:
-    from kvplug.core.index import Node
+    from kvplug.policies.node import CachedNode
 
 
 class LRUPolicy(RankedPolicy):
     name = "lru"
 
-    def rank(self, node: Node) -> float:
+    def rank(self, node: CachedNode) -> float:
         return 0.0  # ties are broken by release order

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from kvplug.core.model_spec import ModelSpec, load_model
 
 if TYPE_CHECKING:
-    from kvplug.core.index import Node
+    from kvplug.policies.node import CachedNode
 
 
 class BlockValue:
@@ -27,7 +27,7 @@ class BlockValue:
         if self.tokens_per_block is None:
             self.tokens_per_block = block_size
 
-    def __call__(self, node: Node) -> float:
+    def __call__(self, node: CachedNode) -> float:
         depth = node.depth
         while len(self._by_depth) <= depth:
             t = self.tokens_per_block or 1

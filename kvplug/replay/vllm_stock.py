@@ -114,7 +114,7 @@ class VLLMStockArm(CacheArm):
         if policy is None:
             self.manager = KVCacheManager(**manager_kwargs)
         else:
-            from kvplug.vllm.scheduler import build_kvplug_manager
+            from kvplug.vllm.kv_cache_manager import build_kvplug_manager
 
             self.name = f"vllm-kvplug:{policy.name}"
             self.manager = build_kvplug_manager(policy, **manager_kwargs)

@@ -9,6 +9,20 @@ Options are kvplug's config keys (`kvplug.config.KVPlugConfig`), from
 ``additional_config["kvplug"]`` or the file named by ``$KVPLUG_CONFIG``.
 
 Importing this package does not import vLLM; `Scheduler` does, when vLLM calls it.
+kvplug decides which block goes next (the eviction core in `kvplug.core.eviction`, the
+same one `KVCache` runs); vLLM keeps allocation, reference counts, hashing, KV events
+and its own metrics.
+
+| module | owns |
+|---|---|
+| `scheduler` | the `Scheduler` factory, kvplug's config, the namespace salt, statistics |
+| `kv_cache_manager` | the one construction site: vLLM's manager over kvplug's pool, the policy attached |
+| `block_pool` | `KVPlugBlockPool` (vLLM's `BlockPool`) and `CachedBlock`, the eviction core's node |
+| `free_queue` | `PolicyFreeQueue`: vLLM's free-queue interface, fresh blocks then victims |
+| `stats` | `PoolStats`, metrics snapshots and the Prometheus collector |
+| `plugin` | the ``vllm.general_plugins`` entry point |
+| `version` | the supported vLLM range and its check |
+| `bench` | ``kvplug bench vllm-step``: the scheduler step, kvplug's pool against stock |
 """
 
 from __future__ import annotations

@@ -1,22 +1,25 @@
 """kvplug's block pool for vLLM: vLLM's `BlockPool`, with kvplug choosing what to evict.
 
-vLLM keeps every block with ``ref_cnt == 0`` in one free queue and hands out its head.
-`KVPlugBlockPool` keeps vLLM's block objects, hash map, KV events and metrics collector,
-and replaces that queue with a `PolicyFreeQueue` split in two:
+`KVPlugBlockPool` keeps vLLM's block objects, hash map, touch and free code, KV events
+and metrics collector. It changes two things:
 
-- *fresh* blocks hold nothing reusable (no hash). They go out first, the most recently
-  freed first, as in vLLM (which prepends them to its queue).
-- *cached* blocks (a hash, no holder) are the eviction candidates. A kvplug eviction
-  policy ranks each one when it is released, and the lowest-ranked *leaf* goes first:
-  a block whose children (the blocks cached after it in some request) are still cached
-  and free waits for them, so a shared root is evicted after the leaves below it rather
-  than being kept forever or orphaning them.
+- its free queue is a `kvplug.vllm.free_queue.PolicyFreeQueue`, which hands out blocks
+  without a hash first (as vLLM does) and then asks the pool for a victim;
+- each block holding a hash has a `CachedBlock` record, the node kvplug's eviction core
+  (`kvplug.core.eviction.EvictionCore`, the same one `KVCache` uses) and its policy see.
+  The pool tells the core when a record is cached (with the block before it in its
+  request's chain, for full-attention groups), released, hit and dropped, and the core
+  names the victim: the policy's lowest-ranked *leaf*, so a shared root is evicted after
+  the leaves below it.
 
 Invariants (checked by `check_invariants`):
+
 - every block other than the null block is held (``ref_cnt > 0``), fresh, or cached,
   never two of these; ``num_free_blocks`` is the number of fresh plus cached blocks;
-- a cached block has a hash; a block's policy node exists exactly while it is cached;
-- a cached block is a policy candidate exactly when no cached block names it as parent.
+- a block's live record holds the block's current hash, and is evictable exactly while
+  the block is in the queue's cached set;
+- the policy's candidates are exactly the evictable records that no cached record names
+  as its live parent.
 
 With the ``lru`` policy the hand-out order is vLLM's own (fresh blocks first, then
 cached blocks least recently released first, a request's tail before its head), so
@@ -25,8 +28,8 @@ kvplug reproduces stock vLLM's cache hits exactly.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
@@ -34,7 +37,9 @@ from typing import Any
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.policies.base import EvictionPolicy
+from kvplug.vllm.free_queue import PolicyFreeQueue
 from kvplug.vllm.stats import PoolStats
 
 
@@ -47,22 +52,22 @@ class Release:
 
 
 class CachedBlock:
-    """One block's record while it has a hash: the policy's node for it, and its place in
-    the tree.
+    """One block's record while it holds a hash: a `kvplug.core.eviction.TreeNode`.
 
-    It has the fields a policy reads from `kvplug.core.index.Node` (a policy never sees the
-    difference) without a child map: the pool only counts children that are free. Each
-    physical block has one record, made with the pool and renewed (`reset`, new serial)
-    for each hash the block holds, so serving allocates nothing per cached block.
+    Each physical block has one record, made with the pool and renewed (`reset`, new
+    serial) for each hash the block holds, so serving allocates nothing per cached block.
+    A record whose block lost its hash has serial -1, so records naming it as parent see
+    that the link is dead.
     """
 
     __slots__ = (
         "serial", "key", "depth", "hits", "from_end", "request_hit", "request_output",
-        "block", "parent", "parent_serial", "free_children", "free",
+        "block", "parent", "parent_serial", "cached_children", "evictable",
     )  # fmt: skip
 
     def __init__(self, block: KVCacheBlock) -> None:
         self.block = block
+        self.parent: CachedBlock | None = None
         self.reset(-1, 0)
 
     def reset(self, serial: int, depth: int) -> None:
@@ -74,139 +79,20 @@ class CachedBlock:
         self.from_end = 0
         self.request_hit = False
         self.request_output = 0
-        self.parent: CachedBlock | None = None  # the block before it when it was cached
-        self.parent_serial = -1  # the parent's serial then; stale once the parent changes
-        self.free_children = 0  # free cached blocks whose parent this is
-        self.free = False  # whether it is in the queue's cached set
-
-    def live_parent(self) -> CachedBlock | None:
-        parent = self.parent
-        if parent is None or parent.serial != self.parent_serial:
-            return None
-        return parent
-
-
-class PolicyFreeQueue:
-    """The free blocks of a `KVPlugBlockPool`, in the interface vLLM's pool uses.
-
-    ``popleft`` returns a fresh block if there is one, else evicts the policy's first
-    victim. Fresh blocks sit on a stack whose stale entries (blocks that left it through
-    ``remove``) are skipped lazily, so every operation is O(1) for fresh blocks and
-    O(log n) for cached ones.
-    """
-
-    def __init__(self, pool: KVPlugBlockPool, blocks: list[KVCacheBlock]) -> None:
-        self.pool = pool
-        self._fresh: deque[tuple[KVCacheBlock, int]] = deque()  # right end goes out first
-        self._fresh_entry: dict[int, int] = {}  # block id -> serial of its live entry
-        self._cached: dict[int, KVCacheBlock] = {}  # block id -> block, ranked by policy
-        self._serials = count()
-        for block in reversed(blocks):
-            self._push_fresh(block, first=True)
-
-    # -- the interface of vLLM's FreeKVCacheBlockQueue --------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._fresh_entry) + len(self._cached)
-
-    def popleft(self) -> KVCacheBlock:
-        while self._fresh:
-            block, serial = self._fresh.pop()
-            if self._fresh_entry.get(block.block_id) == serial:
-                del self._fresh_entry[block.block_id]
-                return block
-        if not self._cached:
-            raise ValueError("No free block is available")
-        block = self.pool.choose_victim()
-        self.remove(block)
-        return block
-
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        taken: list[KVCacheBlock] = []
-        fresh, live = self._fresh, self._fresh_entry
-        while fresh and len(taken) < n:
-            block, serial = fresh.pop()
-            if live.get(block.block_id) == serial:
-                del live[block.block_id]
-                taken.append(block)
-        if len(taken) < n:
-            if len(taken) + len(self._cached) < n:
-                raise ValueError("Not enough free blocks are available")
-            for _ in range(n - len(taken)):
-                block = self.pool.choose_victim()
-                self.remove(block)
-                taken.append(block)
-        return taken
-
-    def remove(self, block: KVCacheBlock) -> None:
-        if self._fresh_entry.pop(block.block_id, None) is not None:
-            return
-        del self._cached[block.block_id]
-        self.pool.on_unfree(block)
-
-    def append(self, block: KVCacheBlock) -> None:
-        self.append_n([block])
-
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Free `blocks`, the first to be evicted first: cached ones are ranked, others
-        wait behind every fresh block (vLLM uses this for blocks still being read)."""
-        caching = self.pool.enable_caching
-        for from_end, block in enumerate(blocks):  # vLLM passes a request's blocks tail first
-            if caching and block.block_hash is not None:
-                self._cached[block.block_id] = block
-                self.pool.on_free(block, from_end)
-            else:
-                self._push_fresh(block, first=False)
-
-    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Free blocks that hold nothing reusable; `blocks[0]` goes out first."""
-        for block in reversed(blocks):
-            self._push_fresh(block, first=True)
-
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        fresh = [b for b, s in reversed(self._fresh) if self._fresh_entry.get(b.block_id) == s]
-        return fresh + list(self._cached.values())
-
-    def __iter__(self) -> Iterator[KVCacheBlock]:
-        return iter(self.get_all_free_blocks())
-
-    # -- kvplug's own --------------------------------------------------------------------
-    def is_cached(self, block: KVCacheBlock) -> bool:
-        return block.block_id in self._cached
-
-    def is_fresh(self, block: KVCacheBlock) -> bool:
-        return block.block_id in self._fresh_entry
-
-    def cached_blocks(self) -> list[KVCacheBlock]:
-        return list(self._cached.values())
-
-    def any_cached(self) -> KVCacheBlock:
-        return next(iter(self._cached.values()))
-
-    def make_all_fresh(self) -> None:
-        """Move every cached block to the fresh stack (their hashes are gone)."""
-        for block in list(self._cached.values()):
-            self.remove(block)
-            self._push_fresh(block, first=True)
-
-    def _push_fresh(self, block: KVCacheBlock, first: bool) -> None:
-        serial = next(self._serials)
-        self._fresh_entry[block.block_id] = serial
-        if first:
-            self._fresh.append((block, serial))
-        else:
-            self._fresh.appendleft((block, serial))
+        self.parent_serial = -1
+        self.cached_children = 0
+        self.evictable = False
 
 
 class KVPlugBlockPool(BlockPool):
     """vLLM's `BlockPool` with a kvplug policy deciding evictions (see the module doc).
 
     Constructed by vLLM's KV cache coordinator with vLLM's own arguments; the policy and
-    statistics are attached by `kvplug.vllm.scheduler` through `use_policy` before any
-    request arrives.
+    statistics are attached by `kvplug.vllm.kv_cache_manager.attach_policy` through
+    `use_policy` before any request arrives.
     """
 
-    policy: EvictionPolicy
+    eviction: EvictionCore[CachedBlock]
     stats: PoolStats
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -220,6 +106,10 @@ class KVPlugBlockPool(BlockPool):
         self._evicted: OrderedDict[Any, None] = OrderedDict()  # recent victims' hashes
         self.use_policy(_default_policy(), PoolStats())
 
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self.eviction.policy
+
     def use_policy(
         self, policy: EvictionPolicy, stats: PoolStats, tree_groups: set[int] | None = None
     ) -> None:
@@ -229,12 +119,9 @@ class KVPlugBlockPool(BlockPool):
         if self._records:
             raise RuntimeError("the policy can only be chosen while nothing is cached")
         policy.bind(self.hash_block_size, self.num_gpu_blocks)
-        self.policy = policy
+        self.eviction = EvictionCore(policy)
         self.stats = stats
         self.tree_groups = tree_groups
-        self._first_candidate = getattr(policy, "first_candidate", None) or (
-            lambda: next(iter(policy.choose_victims(1)), None)
-        )
 
     def num_cached_blocks(self) -> int:
         """Blocks holding a reusable hash, held or free."""
@@ -243,13 +130,12 @@ class KVPlugBlockPool(BlockPool):
     # -- vLLM's entry points -------------------------------------------------------------
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """A request reuses `blocks` (prefix hits): count the hit, then take a reference."""
-        records, hit, hits = self._records, self.policy.hit, 0
+        records, hit, hits = self._records, self.eviction.hit, 0
         for block in blocks:
             record = records.get(block.block_id)
             if record is not None and record.key == block.block_hash:
-                record.hits += 1
                 hits += 1
-                hit(record)  # type: ignore[arg-type]
+                hit(record)
         self.stats.block_hits += hits
         super().touch(blocks)
 
@@ -263,7 +149,7 @@ class KVPlugBlockPool(BlockPool):
         kv_cache_group_id: int,
         block_mask: list[bool] | None = None,
     ) -> None:
-        """Cache blocks as vLLM does, then note each new block's parent in its chain."""
+        """Cache blocks as vLLM does, then record each new block below its parent."""
         super().cache_full_blocks(
             request, blocks, num_cached_blocks, num_full_blocks, block_size,
             kv_cache_group_id, block_mask,
@@ -277,58 +163,49 @@ class KVPlugBlockPool(BlockPool):
             if block.is_null or block.block_hash is None:
                 parent = None
                 continue
-            record = self._record(block)
-            if tree and record.parent is None and parent is not None:
-                record.parent, record.parent_serial = parent, parent.serial
+            record = self._record(block, parent)
             parent = record if tree else None
 
     def reset_prefix_cache(self) -> bool:
         if not super().reset_prefix_cache():
             return False
         self.free_block_queue.make_all_fresh()
-        for record in self._records.values():
-            self.policy.remove(record)  # type: ignore[arg-type]
-            record.serial = -1
-        self._records.clear()
+        for record in list(self._records.values()):
+            self._forget(record)
         return True
 
-    # -- called by PolicyFreeQueue ------------------------------------------------------------
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """vLLM drops a block's hashes when it is handed out or evicted on request."""
+        record = self._records.get(block.block_id)
+        if record is not None:
+            if record.evictable:  # evicted on request while free: it is fresh from now on
+                self.free_block_queue.remove(block)
+                self.free_block_queue.prepend_n([block])
+            self._forget(record)
+        return super()._maybe_evict_cached_block(block)
+
+    # -- called by PolicyFreeQueue ------------------------------------------------------
     def on_free(self, block: KVCacheBlock, from_end: int) -> None:
-        """`block` (with a hash) lost its last holder: rank it and make it a candidate."""
-        record = self._record(block)
+        """`block` (with a hash) lost its last holder: rank it and offer it for eviction."""
+        record = self._record(block, None)
         record.from_end = from_end
         record.request_hit = self.releasing.request_hit
         record.request_output = self.releasing.output_tokens
-        record.free = True
-        policy = self.policy
-        policy.release(record)  # type: ignore[arg-type]
-        if record.free_children == 0:
-            policy.add_candidate(record)  # type: ignore[arg-type]
-        parent = record.live_parent()
-        if parent is not None:
-            parent.free_children += 1
-            if parent.free_children == 1 and parent.free:
-                policy.discard_candidate(parent)  # type: ignore[arg-type]
+        self.eviction.release(record)
 
     def on_unfree(self, block: KVCacheBlock) -> None:
-        """`block` left the cached set (touched by a hit, or about to be evicted)."""
-        record = self._records[block.block_id]
-        record.free = False
-        policy = self.policy
-        policy.discard_candidate(record)  # type: ignore[arg-type]
-        parent = record.live_parent()
-        if parent is not None:
-            parent.free_children -= 1
-            if parent.free_children == 0 and parent.free:
-                policy.add_candidate(parent)  # type: ignore[arg-type]
+        """`block` left the queue's cached set without being evicted (a prefix hit)."""
+        self.eviction.reclaim(self._records[block.block_id])
 
-    def choose_victim(self) -> KVCacheBlock:
-        """The cached block to evict next: the policy's first candidate."""
-        victim = self._first_candidate()
+    def evict_next(self) -> KVCacheBlock:
+        """Evict the eviction core's next victim (its record goes now, its hash when vLLM
+        hands the block out) and return its block."""
+        victim = self.eviction.next_victim()
         if victim is not None:
-            block: KVCacheBlock = victim.block  # type: ignore[assignment]
-        else:  # unreachable while the parent counts are exact; never strand a free block
+            block: KVCacheBlock = victim.block
+        else:  # unreachable while the child counts are exact; never strand a free block
             block = self.free_block_queue.any_cached()
+        self._forget(self._records[block.block_id])
         self.stats.evictions += 1
         evicted = self._evicted
         evicted[block.block_hash] = None
@@ -336,35 +213,28 @@ class KVPlugBlockPool(BlockPool):
             evicted.popitem(last=False)
         return block
 
-    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        """vLLM drops a block's hashes when it is handed out or evicted on request."""
-        record = self._records.get(block.block_id)
-        if record is not None:
-            if record.free:  # evicted on request while free: it is fresh from now on
-                self.free_block_queue.remove(block)
-                self.free_block_queue.prepend_n([block])
-            del self._records[block.block_id]
-            self.policy.remove(record)  # type: ignore[arg-type]
-            record.serial = -1  # children that still name it see a dead parent
-        return super()._maybe_evict_cached_block(block)
-
     # -- helpers ---------------------------------------------------------------------------
-    def _record(self, block: KVCacheBlock) -> CachedBlock:
-        """The record of `block` under its current hash (renewed if the hash changed)."""
+    def _record(self, block: KVCacheBlock, parent: CachedBlock | None) -> CachedBlock:
+        """The record of `block` under its current hash, made below `parent` if new."""
         record = self._records.get(block.block_id)
         if record is not None and record.key == block.block_hash:
             return record
-        if record is not None:
-            self.policy.remove(record)  # type: ignore[arg-type]
-            record.serial = -1
+        if record is not None:  # the block holds another hash now
+            self._forget(record)
         num_tokens = block.block_hash_num_tokens or self.hash_block_size
         record = self._slots[block.block_id]
         record.reset(next(self._serials), max(num_tokens // self.hash_block_size - 1, 0))
         if self._evicted.pop(block.block_hash, 0) is None:
             self.stats.churn += 1
-        self.policy.insert(record)  # type: ignore[arg-type]
+        self.eviction.insert(record, parent)
         self._records[block.block_id] = record
         return record
+
+    def _forget(self, record: CachedBlock) -> None:
+        """`record`'s block no longer holds its hash: it leaves the eviction core."""
+        self.eviction.remove(record)
+        del self._records[record.block.block_id]
+        record.serial = -1  # records that name it as parent see a dead link
 
     def check_invariants(self) -> None:
         """Raise AssertionError if a module-level invariant does not hold."""
@@ -374,28 +244,26 @@ class KVPlugBlockPool(BlockPool):
                 continue
             states = [block.ref_cnt > 0, queue.is_fresh(block), queue.is_cached(block)]
             assert sum(states) == 1, f"block {block.block_id}: held/fresh/cached = {states}"
-            assert block.ref_cnt >= 0, f"block {block.block_id}: ref_cnt {block.ref_cnt}"
-            if queue.is_cached(block):
-                assert block.block_hash is not None, f"cached block {block.block_id} has no hash"
-                assert self._records[block.block_id].free, f"block {block.block_id} not free"
+            record = self._records.get(block.block_id)
+            if record is not None:
+                assert record.key == block.block_hash, f"block {block.block_id}: stale record"
+                assert record.evictable == queue.is_cached(block), block.block_id
         assert queue.num_free_blocks == sum(
             1 for b in self.blocks if not b.is_null and b.ref_cnt == 0
         )
         children: dict[int, int] = {}
-        for block in queue.cached_blocks():
-            parent = self._records[block.block_id].live_parent()
+        for record in self._records.values():
+            parent = live_parent(record)
             if parent is not None:
-                pid = parent.block.block_id
-                children[pid] = children.get(pid, 0) + 1
+                children[parent.serial] = children.get(parent.serial, 0) + 1
         leaves = 0
-        for block in queue.cached_blocks():
-            record = self._records[block.block_id]
-            found = children.get(block.block_id, 0)
-            assert record.free_children == found, (
-                f"block {block.block_id}: {record.free_children} free children counted, "
-                f"{found} found"
+        for record in self._records.values():
+            found = children.get(record.serial, 0)
+            assert record.cached_children == found, (
+                f"block {record.block.block_id}: {record.cached_children} cached children "
+                f"counted, {found} found"
             )
-            leaves += found == 0
+            leaves += record.evictable and found == 0
         assert len(self.policy) == leaves, "the policy's candidates are not the cached leaves"
 
 

@@ -5,8 +5,7 @@ when async scheduling is on, else ``Scheduler``) and returns an instance of a su
 whose only differences are
 
 - its KV cache manager's block pool is a `KVPlugBlockPool`, so kvplug's policy decides
-  evictions (vLLM's coordinator builds the pool; kvplug swaps the class it builds, for
-  the duration of the constructor only);
+  evictions (built by `kvplug.vllm.kv_cache_manager`, the one construction site);
 - each request's prefix keys carry kvplug's namespace (model revision, tokenizer and
   tenant) on top of what vLLM hashes already (LoRA, multimodal inputs, ``cache_salt``);
 - it keeps `PoolStats` and publishes them for ``/metrics``.
@@ -16,26 +15,26 @@ Everything else (batching, preemption, KV events, vLLM's own metrics) is vLLM's 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import xxhash
-from vllm.v1.core import kv_cache_coordinator
-from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched import scheduler as vllm_scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvplug.config import KVPlugConfig
 from kvplug.core.model_spec import ModelSpec, load_model
 from kvplug.errors import ConfigError
 from kvplug.policies import available_policies, make_policy
 from kvplug.policies.base import EvictionPolicy
-from kvplug.vllm.block_pool import KVPlugBlockPool, Release
+from kvplug.vllm.block_pool import KVPlugBlockPool
+from kvplug.vllm.kv_cache_manager import (
+    KVPlugKVCacheManager,
+    attach_policy,
+    kvplug_classes,
+    matched_tokens,
+)
 from kvplug.vllm.stats import METRICS_DIR_ENV, PoolStats, SnapshotWriter
 from kvplug.vllm.version import check_vllm_version
 
@@ -95,57 +94,6 @@ def build_policy(config: KVPlugConfig, model: ModelSpec) -> EvictionPolicy:
     return make_policy(config.policy, **params)
 
 
-_swap_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _swapped(module: Any, name: str, replacement: Any) -> Iterator[None]:
-    """Rebind `module.name` to `replacement` for the duration of the block."""
-    original = getattr(module, name)
-    setattr(module, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
-
-
-class KVPlugKVCacheManager(KVCacheManager):
-    """vLLM's KV cache manager; it notes each request's prefix hit and tells the pool
-    which request is releasing blocks."""
-
-    block_pool: KVPlugBlockPool
-
-    def get_computed_blocks(self, request: Any) -> Any:
-        result = super().get_computed_blocks(request)  # (blocks, hit tokens, ...)
-        if request.num_output_tokens == 0:  # its first prefill, not a resume
-            request.kvplug_matched_tokens = result[1]
-        return result
-
-    def free(self, request: Any) -> None:
-        self.block_pool.releasing = Release(
-            output_tokens=request.num_output_tokens,
-            request_hit=matched_tokens(request) > 0,
-        )
-        try:
-            super().free(request)
-        finally:
-            self.block_pool.releasing = Release()
-
-
-def build_kvplug_manager(policy: EvictionPolicy, **kwargs: Any) -> KVPlugKVCacheManager:
-    """A `KVPlugKVCacheManager` built from vLLM's own arguments, its pool ranked by `policy`."""
-    with _swap_lock, _swapped(kv_cache_coordinator, "BlockPool", KVPlugBlockPool):
-        manager = KVPlugKVCacheManager(**kwargs)
-    groups = kwargs["kv_cache_config"].kv_cache_groups
-    manager.block_pool.use_policy(policy, PoolStats(), tree_groups(groups))
-    return manager
-
-
-def tree_groups(groups: list[Any]) -> set[int]:
-    """The KV cache groups whose hits need every block before them (full attention)."""
-    return {i for i, group in enumerate(groups) if type(group.kv_cache_spec) is FullAttentionSpec}
-
-
 class KVPlugSchedulerMixin:
     """The kvplug part of the scheduler; placed before vLLM's class in the MRO."""
 
@@ -158,18 +106,12 @@ class KVPlugSchedulerMixin:
         _check_block_size(config, vllm_config)
         model = model_spec(vllm_config)
         policy = build_policy(config, model)
-        with (
-            _swap_lock,
-            _swapped(kv_cache_coordinator, "BlockPool", KVPlugBlockPool),
-            _swapped(vllm_scheduler, "KVCacheManager", KVPlugKVCacheManager),
-        ):
+        with kvplug_classes():
             super().__init__(**kwargs)  # type: ignore[call-arg]
         kv_cache_config = kwargs["kv_cache_config"]
         self.kvplug_config = config
-        self.kvplug_stats = PoolStats()
+        self.kvplug_stats = attach_policy(self.kv_cache_manager, policy, kv_cache_config)
         self.kvplug_pool: KVPlugBlockPool = self.kv_cache_manager.block_pool
-        groups = tree_groups(kv_cache_config.kv_cache_groups)
-        self.kvplug_pool.use_policy(policy, self.kvplug_stats, groups)
         self._bytes_per_block = _bytes_per_block(kv_cache_config)
         self._model = model
         self._namespace = _namespace_parts(config, vllm_config)
@@ -247,11 +189,6 @@ class KVPlugSchedulerMixin:
         step = self.sched_step_seq  # type: ignore[attr-defined]
         stats.deferred_age_steps = max((step - seq for seq, _ in deferred), default=0)
         return stats
-
-
-def matched_tokens(request: Any) -> int:
-    """Prompt tokens its first prefill found in the prefix cache (0 if never scheduled)."""
-    return getattr(request, "kvplug_matched_tokens", 0)
 
 
 def _check_block_size(config: KVPlugConfig, vllm_config: Any) -> None:

@@ -1,0 +1,21 @@
+"""kvplug's engine-neutral core: keys, blocks, the prefix index, eviction, and `KVCache`.
+
+Nothing here imports an engine, torch or a kernel library. The engine adapters
+(`kvplug.vllm`) and the replay (`kvplug.replay`) build on these modules; the one piece
+every one of them shares is the eviction core.
+
+| module | owns |
+|---|---|
+| `keys` | `Namespace`, `MMFeature` and chained block keys ``H(parent, tokens, extras)`` |
+| `pool` | physical blocks, `BlockState`, reference counts, the O(1) free queue |
+| `index` | the radix tree over block keys, one tree per namespace; matches verify tokens |
+| `eviction` | `EvictionCore`: the exact set of evictable leaves and the next victim, for every adapter |
+| `prefix_cache` | `PrefixCache`: lookups, publication and eviction order over the index |
+| `fences` | `StepClock`: steps, fences, writes and releases that wait for a fence |
+| `cache` | `KVCache`, the one mutating facade: tables, append, fork (copy-on-write), finish |
+| `audit` | `check_invariants` and the `usage` gauges of a `KVCache` |
+| `events` | `BlockStored` / `BlockRemoved`, what a cache publishes about its index |
+| `groups` | `CacheGroupSpec`: full attention, sliding window or Mamba, sharing one pool |
+| `metrics` | the cache's counters and its `Usage` snapshot |
+| `model_spec` | `ModelSpec`, prefill FLOPs per position, KV bytes per token, `kv_budget` |
+"""

@@ -1,0 +1,123 @@
+"""The eviction core: which cached blocks may be evicted, and which goes next.
+
+Every cache kvplug decides for (its own `KVCache`, vLLM's block pool through
+`kvplug.vllm.block_pool`, and the replay) keeps its candidate set here and nowhere else.
+The adapter reports what happens to a cached block; the core keeps the policy's candidate
+set exact and answers "next victim" with the policy's choice.
+
+A *node* is one cached block (a `TreeNode`). Per node the core keeps:
+
+- ``evictable``: cached, held by nobody, and no in-flight step can touch it. The adapter
+  says so with `release` and takes it back with `reclaim` (a prefix hit).
+- ``parent``: the node before it in its sequence, given to `insert` (a namespace root,
+  which is never evictable, or None, for a first block, and for groups without prefix
+  order, such as sliding-window groups). The link is live while the parent keeps the
+  serial it had then: an adapter whose engine may drop a block that still has children
+  renews the block's serial, so its children need no notice and no child list is kept.
+- ``cached_children``: how many cached nodes name it as their live parent.
+
+Invariants (the adapters' ``check_invariants`` audit them):
+
+- the policy's candidates are exactly the evictable nodes with no cached children, so
+  evicting only candidates keeps every cached prefix whole (a parent outlives its
+  children) and a shared root waits for the leaves below it;
+- `num_evictable` counts the evictable nodes, candidates or not; every one of them can be
+  evicted, leaves first, when nothing else is cached below it.
+
+Every method is O(1) plus the policy's O(log n).
+"""
+
+from __future__ import annotations
+
+from typing import Generic, Protocol, TypeVar
+
+from kvplug.policies.base import EvictionPolicy
+from kvplug.policies.node import CachedNode
+
+
+class TreeNode(CachedNode, Protocol):
+    """A cached block as the eviction core sees it: the policy's fields plus its place
+    in the tree. The core owns the last four fields; adapters only read them."""
+
+    parent: TreeNode | None
+    parent_serial: int  # the parent's serial when linked; a mismatch means it left
+    cached_children: int
+    evictable: bool
+
+
+N = TypeVar("N", bound=TreeNode)
+
+
+def live_parent(node: TreeNode) -> TreeNode | None:
+    """`node`'s parent, if it is still the block it was linked to."""
+    parent = node.parent
+    if parent is None or parent.serial != node.parent_serial:
+        return None
+    return parent
+
+
+class EvictionCore(Generic[N]):
+    """The candidate set of one cache, kept exact for `policy` (see the module doc)."""
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.policy = policy
+        self.num_evictable = 0
+
+    def __len__(self) -> int:
+        """The number of candidates (evictable leaves)."""
+        return len(self.policy)
+
+    def insert(self, node: N, parent: N | None) -> None:
+        """`node` was cached (held by its writer), below `parent`."""
+        node.evictable = False
+        node.cached_children = 0
+        node.parent = parent
+        node.parent_serial = -1 if parent is None else parent.serial
+        if parent is not None:
+            parent.cached_children += 1
+            if parent.cached_children == 1 and parent.evictable:
+                self.policy.discard_candidate(parent)
+        self.policy.insert(node)
+
+    def release(self, node: N) -> None:
+        """Nothing holds `node` any more and no step can touch it: rank it and offer it."""
+        self.policy.release(node)
+        node.evictable = True
+        self.num_evictable += 1
+        if node.cached_children == 0:
+            self.policy.add_candidate(node)
+
+    def reclaim(self, node: N) -> None:
+        """An evictable `node` is held again (a prefix hit); no-op if it is not evictable."""
+        if node.evictable:
+            self._withdraw(node)
+
+    def hit(self, node: N) -> None:
+        """A lookup reused `node`."""
+        node.hits += 1
+        self.policy.hit(node)
+
+    def remove(self, node: N) -> None:
+        """`node` left the cache (evicted, invalidated, or its engine dropped its key)."""
+        if node.evictable:
+            self._withdraw(node)
+        parent = live_parent(node)
+        if parent is not None:
+            parent.cached_children -= 1
+            if parent.cached_children == 0 and parent.evictable:
+                self.policy.add_candidate(parent)
+        self.policy.remove(node)
+
+    def next_victim(self) -> N | None:
+        """The candidate the policy evicts first, or None. Changes nothing."""
+        victims = self.policy.choose_victims(1)
+        return victims[0] if victims else None  # type: ignore[return-value]
+
+    def is_candidate(self, node: N) -> bool:
+        return node.evictable and node.cached_children == 0
+
+    def _withdraw(self, node: N) -> None:
+        node.evictable = False
+        self.num_evictable -= 1
+        if node.cached_children == 0:
+            self.policy.discard_candidate(node)

@@ -1,0 +1,97 @@
+"""vLLM's KV cache manager with kvplug's pool: the one place it is built.
+
+vLLM's KV cache coordinator constructs the block pool itself, with vLLM's own
+arguments. `kvplug_classes` rebinds, for the duration of one construction and under a
+lock, the two names vLLM looks up: `BlockPool` in the coordinator module (so the pool
+built is a `KVPlugBlockPool`) and `KVCacheManager` in the scheduler module (so the
+scheduler builds a `KVPlugKVCacheManager`). `attach_policy` then gives the pool its
+policy. The scheduler (`kvplug.vllm.scheduler`) and the replay's ``vllm-kvplug`` arm
+(`build_kvplug_manager`) both go through these two functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from vllm.v1.core import kv_cache_coordinator
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched import scheduler as vllm_scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from kvplug.policies.base import EvictionPolicy
+from kvplug.vllm.block_pool import KVPlugBlockPool, Release
+from kvplug.vllm.stats import PoolStats
+
+_swap_lock = threading.Lock()
+
+
+def matched_tokens(request: Any) -> int:
+    """Prompt tokens its first prefill found in the prefix cache (0 if never scheduled)."""
+    return getattr(request, "kvplug_matched_tokens", 0)
+
+
+class KVPlugKVCacheManager(KVCacheManager):
+    """vLLM's KV cache manager; it notes each request's prefix hit and tells the pool
+    which request is releasing blocks."""
+
+    block_pool: KVPlugBlockPool
+
+    def get_computed_blocks(self, request: Any) -> Any:
+        result = super().get_computed_blocks(request)  # (blocks, hit tokens, ...)
+        if request.num_output_tokens == 0:  # its first prefill, not a resume
+            request.kvplug_matched_tokens = result[1]
+        return result
+
+    def free(self, request: Any) -> None:
+        self.block_pool.releasing = Release(
+            output_tokens=request.num_output_tokens,
+            request_hit=matched_tokens(request) > 0,
+        )
+        try:
+            super().free(request)
+        finally:
+            self.block_pool.releasing = Release()
+
+
+@contextlib.contextmanager
+def kvplug_classes() -> Iterator[None]:
+    """While open, vLLM builds kvplug's pool and manager classes in place of its own."""
+    swaps = [
+        (kv_cache_coordinator, "BlockPool", KVPlugBlockPool),
+        (vllm_scheduler, "KVCacheManager", KVPlugKVCacheManager),
+    ]
+    with _swap_lock:
+        originals = [getattr(module, name) for module, name, _ in swaps]
+        for module, name, replacement in swaps:
+            setattr(module, name, replacement)
+        try:
+            yield
+        finally:
+            for (module, name, _), original in zip(swaps, originals, strict=True):
+                setattr(module, name, original)
+
+
+def tree_groups(kv_cache_config: Any) -> set[int]:
+    """The KV cache groups whose hits need every block before them (full attention)."""
+    groups = kv_cache_config.kv_cache_groups
+    return {i for i, group in enumerate(groups) if type(group.kv_cache_spec) is FullAttentionSpec}
+
+
+def attach_policy(
+    manager: KVPlugKVCacheManager, policy: EvictionPolicy, kv_cache_config: Any
+) -> PoolStats:
+    """Give the manager's pool `policy`; returns the statistics the pool counts into."""
+    stats = PoolStats()
+    manager.block_pool.use_policy(policy, stats, tree_groups(kv_cache_config))
+    return stats
+
+
+def build_kvplug_manager(policy: EvictionPolicy, **kwargs: Any) -> KVPlugKVCacheManager:
+    """A `KVPlugKVCacheManager` built from vLLM's own arguments, its pool ranked by `policy`."""
+    with kvplug_classes():
+        manager = KVPlugKVCacheManager(**kwargs)
+    attach_policy(manager, policy, kwargs["kv_cache_config"])
+    return manager
