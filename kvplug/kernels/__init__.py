@@ -18,6 +18,15 @@ why; malformed input raises `KernelInputError`.
 
 Importing this package imports no torch and no kernel library; the first kernel call
 does.
+
+| module | owns |
+|---|---|
+| `__init__` | the public API, backend discovery and selection (``auto``), the errors |
+| `layout` | the paged KV layout all backends share: checks, token slots, FlashInfer metadata |
+| `reference` | the plain-PyTorch backend, the oracle the others are tested against |
+| `triton_backend` | the Triton kernels: one code path for every page size |
+| `flashinfer_backend` | kvplug's block table on FlashInfer's paged wrappers (CUDA only) |
+| `engine_hooks` | letting vLLM and SGLang run FlashInfer at any page size (GPU only, untested) |
 """
 
 from __future__ import annotations

@@ -109,5 +109,5 @@ class KVPlugArm(CacheArm):
         self.cache.finish(req_id, output_tokens=output_tokens)
 
     def stats(self) -> ArmStats:
-        m = self.cache.metrics
-        return ArmStats(m.evictions, m.churn, len(self.cache.index))
+        metrics = self.cache.metrics
+        return ArmStats(metrics.evictions, metrics.churn, len(self.cache.index))

@@ -19,12 +19,15 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import IntEnum
 from itertools import accumulate
+from typing import NamedTuple
 
 from kvplug.core.model_spec import ModelSpec
 from kvplug.replay.arms import FRESH_UNIT_BASE, CacheArm
-from kvplug.replay.trace import Trace
+from kvplug.replay.trace import Trace, count_blocks
 
 
 @dataclass(slots=True)
@@ -42,32 +45,40 @@ class Job:
     total_flops: float
 
 
+AdmitHook = Callable[[Job], None]  # called before each lookup; `belady` uses it as its clock
+
+
 def make_jobs(trace: Trace, model: ModelSpec) -> list[Job]:
-    bt = trace.block_tokens
+    """The trace's requests as jobs, fresh unit ids numbered in request order."""
+    block_tokens = trace.block_tokens
     fresh = FRESH_UNIT_BASE
     jobs = []
-    for index, req in enumerate(trace.requests):
-        full = req.input_length // bt
-        prompt = list(req.hash_ids[:full])
-        if req.input_length % bt:
+    for index, request in enumerate(trace.requests):
+        blocks = count_blocks(request.input_length, block_tokens)
+        prompt = list(request.hash_ids[: blocks.full])
+        if blocks.has_partial:
             prompt.append(fresh)
             fresh += 1
         decode = []
-        for boundary in range(len(prompt) * bt, req.input_length + req.output_length, bt):
-            decode.append((boundary + 1 - req.input_length, fresh))
+        end = request.input_length + request.output_length
+        for boundary in range(len(prompt) * block_tokens, end, block_tokens):
+            decode.append((boundary + 1 - request.input_length, fresh))
             fresh += 1
-        flops = [model.prefill_flops(i * bt, (i + 1) * bt) for i in range(full)]
+        block_flops = [
+            model.prefill_flops(block * block_tokens, (block + 1) * block_tokens)
+            for block in range(blocks.full)
+        ]
         jobs.append(
             Job(
                 index,
-                req.arrival,
-                req.input_length,
-                req.output_length,
+                request.arrival,
+                request.input_length,
+                request.output_length,
                 prompt,
                 decode,
-                fresh,
-                list(accumulate(flops, initial=0.0)),
-                model.prefill_flops(0, req.input_length),
+                sentinel=fresh,
+                prefix_flops=list(accumulate(block_flops, initial=0.0)),
+                total_flops=model.prefill_flops(0, request.input_length),
             )
         )
         fresh += 1
@@ -90,6 +101,7 @@ class ReplayCounters:
     admitted: set[int] = field(default_factory=set, repr=False)
 
     def record_admission(self, job: Job, matched: int, block_tokens: int, arm: CacheArm) -> None:
+        """A request started with `matched` units from the cache (its first start only)."""
         if job.index in self.admitted:
             return
         self.admitted.add(job.index)
@@ -123,7 +135,7 @@ def replay(
     *,
     sequential: bool = False,
     timing: Timing | None = None,
-    on_admit=None,
+    on_admit: AdmitHook | None = None,
 ) -> ReplayCounters:
     """Drive `arm` through `jobs`. `on_admit(job)` is called before each lookup (the
     offline `belady` policy uses it as its clock)."""
@@ -132,12 +144,18 @@ def replay(
     if sequential:
         _replay_sequential(arm, jobs, block_tokens, counters, on_admit)
     else:
-        _Realistic(arm, jobs, block_tokens, timing or Timing(), counters, on_admit).run()
+        RealisticReplay(arm, jobs, block_tokens, timing or Timing(), counters, on_admit).run()
     counters.seconds = time.perf_counter() - start
     return counters
 
 
-def _replay_sequential(arm, jobs, block_tokens, counters, on_admit) -> None:
+def _replay_sequential(
+    arm: CacheArm,
+    jobs: list[Job],
+    block_tokens: int,
+    counters: ReplayCounters,
+    on_admit: AdmitHook | None,
+) -> None:
     for job in jobs:
         if on_admit:
             on_admit(job)
@@ -149,90 +167,124 @@ def _replay_sequential(arm, jobs, block_tokens, counters, on_admit) -> None:
         arm.finish(job.index, job.output_length)
 
 
-ARRIVE, GROW, FINISH = 0, 1, 2
+class EventKind(IntEnum):
+    ARRIVE = 0  # the request joins the waiting queue
+    GROW = 1  # the running request's decode crosses a block boundary: one more unit
+    FINISH = 2  # the running request has generated its output
 
 
-class _Realistic:
-    def __init__(self, arm, jobs, block_tokens, timing, counters, on_admit) -> None:
+class Event(NamedTuple):
+    """A timed event on the heap; `order` breaks ties in push order."""
+
+    at: float
+    order: int
+    kind: EventKind
+    job: int  # the job's index
+    run_id: int  # the run it belongs to (0 for an arrival); stale once that run is preempted
+
+
+class RealisticReplay:
+    """The realistic mode: arrivals, prefill and decode on a clock, admission and preemption.
+
+    A request's run is numbered when it starts; a preempted request starts again later as a
+    new run, and the events of its old run are dropped when they come up.
+    """
+
+    def __init__(
+        self,
+        arm: CacheArm,
+        jobs: list[Job],
+        block_tokens: int,
+        timing: Timing,
+        counters: ReplayCounters,
+        on_admit: AdmitHook | None,
+    ) -> None:
         self.arm = arm
         self.jobs = jobs
-        self.bt = block_tokens
+        self.block_tokens = block_tokens
         self.timing = timing
         self.counters = counters
         self.on_admit = on_admit
-        self.events: list[tuple[float, int, int, int, int]] = []  # (time, seq, kind, job, gen)
-        self.seq = 0
+        self.events: list[Event] = []
+        self.pushed = 0
         self.waiting: deque[int] = deque()
-        self.running: dict[int, int] = {}  # job -> generation of its run, in admission order
-        self.grown: dict[int, int] = {}  # job -> decode units it holds in its current run
-        self.generation = 0
+        self.running: dict[int, int] = {}  # job -> its current run id, in admission order
+        self.decode_units: dict[int, int] = {}  # job -> decode units its current run holds
+        self.last_run_id = 0
 
-    def push(self, at: float, kind: int, job: int, gen: int = 0) -> None:
-        self.seq += 1
-        heapq.heappush(self.events, (at, self.seq, kind, job, gen))
+    def push(self, at: float, kind: EventKind, job: int, run_id: int = 0) -> None:
+        self.pushed += 1
+        heapq.heappush(self.events, Event(at, self.pushed, kind, job, run_id))
 
     def run(self) -> None:
         for job in self.jobs:
-            self.push(job.arrival, ARRIVE, job.index)
+            self.push(job.arrival, EventKind.ARRIVE, job.index)
         while self.events:
-            now, _, kind, j, gen = heapq.heappop(self.events)
-            if kind == ARRIVE:
-                self.waiting.append(j)
-                self.admit_waiting(now)
-                if self.waiting and self.waiting[-1] == j:
+            event = heapq.heappop(self.events)
+            if event.kind == EventKind.ARRIVE:
+                self.waiting.append(event.job)
+                self.admit_waiting(event.at)
+                if self.waiting and self.waiting[-1] == event.job:
                     self.counters.waited += 1
-            elif self.running.get(j) != gen:
+            elif self.running.get(event.job) != event.run_id:
                 continue  # an event of a run that was preempted
-            elif kind == GROW:
-                self.grow(j, now)
+            elif event.kind == EventKind.GROW:
+                self.grow(event.job, event.at)
             else:
-                self.arm.finish(j, self.jobs[j].output_length)
-                del self.running[j]
-                self.admit_waiting(now)
+                self.arm.finish(event.job, self.jobs[event.job].output_length)
+                del self.running[event.job]
+                self.admit_waiting(event.at)
         assert not self.waiting and not self.running
 
     def admit_waiting(self, now: float) -> None:
         """Start waiting requests in order until the first that does not fit."""
         while self.waiting:
-            j = self.waiting[0]
-            if self.start(j, now):
+            first = self.waiting[0]
+            if self.start(first, now):
                 self.waiting.popleft()
             elif not self.running:  # nothing will free blocks: it can never fit
                 self.waiting.popleft()
-                self.counters.record_rejection(self.jobs[j])
+                self.counters.record_rejection(self.jobs[first])
             else:
                 break
 
-    def start(self, j: int, now: float) -> bool:
-        job = self.jobs[j]
+    def start(self, index: int, now: float) -> bool:
+        """Admit job `index` as a new run and schedule its growth and end; False if it
+        does not fit now."""
+        job = self.jobs[index]
         if self.on_admit:
             self.on_admit(job)
-        matched = self.arm.admit(j, job.prompt, len(job.prompt))
+        matched = self.arm.admit(index, job.prompt, len(job.prompt))
         if matched is None:
             return False
-        self.counters.record_admission(job, matched, self.bt, self.arm)
-        self.generation += 1
-        gen = self.running[j] = self.generation
-        self.grown[j] = 0
-        prefill_end = now + (job.input_length - matched * self.bt) / self.timing.prefill_tps
+        self.counters.record_admission(job, matched, self.block_tokens, self.arm)
+        self.last_run_id += 1
+        run_id = self.running[index] = self.last_run_id
+        self.decode_units[index] = 0
+        uncached_tokens = job.input_length - matched * self.block_tokens
+        prefill_end = now + uncached_tokens / self.timing.prefill_tps
         for generated, _ in job.decode:
-            self.push(prefill_end + generated / self.timing.decode_tps, GROW, j, gen)
-        self.push(prefill_end + job.output_length / self.timing.decode_tps, FINISH, j, gen)
+            grow_at = prefill_end + generated / self.timing.decode_tps
+            self.push(grow_at, EventKind.GROW, index, run_id)
+        finish_at = prefill_end + job.output_length / self.timing.decode_tps
+        self.push(finish_at, EventKind.FINISH, index, run_id)
         return True
 
-    def grow(self, j: int, now: float) -> None:
-        unit = self.jobs[j].decode[self.grown[j]][1]
-        while not self.arm.grow(j, [unit]):
+    def grow(self, index: int, now: float) -> None:
+        """Give job `index` its next decode unit, preempting the most recently admitted
+        runs (possibly itself) until it fits."""
+        unit = self.jobs[index].decode[self.decode_units[index]][1]
+        while not self.arm.grow(index, [unit]):
             victim = next(reversed(self.running))  # the most recently admitted
             self.arm.finish(victim)
             del self.running[victim]
             self.counters.preemptions += 1
-            if victim == j and not self.running:  # alone and still too big: it never fits
-                self.counters.record_rejection(self.jobs[j])
+            if victim == index and not self.running:  # alone and still too big: never fits
+                self.counters.record_rejection(self.jobs[index])
                 break
             self.waiting.appendleft(victim)
-            if victim == j:
+            if victim == index:
                 break
         else:
-            self.grown[j] += 1
+            self.decode_units[index] += 1
         self.admit_waiting(now)

@@ -1,4 +1,5 @@
-"""Replay results as a table, JSON or CSV, and a plot of saved compute against capacity."""
+"""Replay results as a table, JSON or CSV, and a plot of saved compute against capacity:
+absolute, and each arm relative to the stock arm (`vllm-stock`, else `lru`)."""
 
 from __future__ import annotations
 
@@ -54,25 +55,85 @@ def table(rows: list[ReplayRow]) -> str:
     return "\n".join(lines)
 
 
+BASELINE_ARMS = ("vllm-stock", "lru")  # what the relative panel divides by: the first present
+_MARKERS = "os^Dv<>PX*"
+
+
+def baseline_arm(rows: list[ReplayRow]) -> str | None:
+    """The arm the others are compared with: vLLM's own cache if it ran, else kvplug's lru."""
+    present = {r.policy for r in rows if r.available}
+    return next((arm for arm in BASELINE_ARMS if arm in present), None)
+
+
+def relative_to(rows: list[ReplayRow], arm: str, baseline: str) -> list[tuple[int, float]]:
+    """(capacity, `arm`'s saved compute / `baseline`'s) at each capacity both ran with some
+    saving."""
+    base = {
+        r.capacity_blocks: r.saved_compute_ratio
+        for r in rows
+        if r.policy == baseline and r.available and r.saved_compute_ratio
+    }
+    return sorted(
+        (r.capacity_blocks, r.saved_compute_ratio / base[r.capacity_blocks])
+        for r in rows
+        if r.policy == arm and r.available and r.capacity_blocks in base
+    )
+
+
 def plot(rows: list[ReplayRow], path: str | Path, title: str) -> Path:
-    """Saved prefill compute against capacity, one line per arm (matplotlib, no display)."""
+    """Saved prefill compute against capacity, one line per arm (matplotlib, no display).
+
+    Left: the saved share of prefill compute. Right, when a baseline arm ran: each arm's
+    saving divided by the baseline's at the same capacity, where arms that the left panel
+    draws on top of each other come apart. The baseline is drawn as a wide pale band, so
+    an arm that matches it exactly stays visible on top of it.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for arm in dict.fromkeys(r.policy for r in rows if r.available):
-        points = sorted((r.capacity_blocks, r.saved_compute_ratio) for r in rows if r.policy == arm)
+    arms = list(dict.fromkeys(r.policy for r in rows if r.available))
+    baseline = baseline_arm(rows)
+    panels = 2 if baseline else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8), squeeze=False)
+    absolute = axes[0][0]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for number, arm in enumerate(arms):
+        style = {
+            "color": colors[number % len(colors)],
+            "marker": _MARKERS[number % len(_MARKERS)],
+            "linestyle": "--" if arm == "belady" else "-",
+            "linewidth": 2 if arm == "cost" else 1.2,
+            "markersize": 5,
+            "label": arm,
+        }
+        if arm == baseline:
+            style.update(
+                color="0.45", linewidth=7, alpha=0.35, marker=None, label=f"{arm} (baseline)"
+            )
+        points = sorted(
+            (r.capacity_blocks, r.saved_compute_ratio)
+            for r in rows
+            if r.policy == arm and r.available
+        )
         xs, ys = zip(*points, strict=True)
-        style = "--" if arm == "belady" else ("-o" if arm == "cost" else "-")
-        ax.plot(xs, [100 * y for y in ys], style, label=arm, linewidth=2 if arm == "cost" else 1)
-    ax.set_xscale("log")
-    ax.set_xlabel("cache capacity (blocks)")
-    ax.set_ylabel("prefill compute saved (%)")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+        absolute.plot(xs, [100 * y for y in ys], **style)
+        if baseline and (relative := relative_to(rows, arm, baseline)):
+            xs, ys = zip(*relative, strict=True)
+            axes[0][1].plot(xs, ys, **style)
+    absolute.set_ylabel("prefill compute saved (%)")
+    absolute.set_title("saved compute")
+    absolute.legend()
+    if baseline:
+        relative_axis = axes[0][1]
+        relative_axis.set_ylabel(f"saved compute / {baseline}'s (x)")
+        relative_axis.set_title(f"relative to {baseline} (above 1: saves more)")
+    for axis in axes[0]:
+        axis.set_xscale("log")
+        axis.set_xlabel("cache capacity (blocks)")
+        axis.grid(True, alpha=0.3)
+    fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)

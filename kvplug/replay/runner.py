@@ -65,7 +65,9 @@ def check_arm_names(names: list[str]) -> None:
         )
 
 
-def build_arm(name: str, capacity: int, jobs: list[Job], sequential: bool, bt: int) -> CacheArm:
+def build_arm(
+    name: str, capacity: int, jobs: list[Job], sequential: bool, block_tokens: int
+) -> CacheArm:
     """Raises `ArmUnavailable` for a stock arm whose engine is missing."""
     if name == "vllm-stock":
         from kvplug.replay.vllm_stock import VLLMStockArm
@@ -75,13 +77,13 @@ def build_arm(name: str, capacity: int, jobs: list[Job], sequential: bool, bt: i
         from kvplug.replay.vllm_stock import VLLMStockArm
 
         policy = name.partition(":")[2]
-        params = {"tokens_per_block": bt} if policy in ("cost", "gdsf") else {}
+        params = {"tokens_per_block": block_tokens} if policy in ("cost", "gdsf") else {}
         return VLLMStockArm(capacity, policy=make_policy(policy, **params))
     if name.startswith("sglang-stock"):
         from kvplug.replay.sglang_stock import SGLangStockArm
 
         return SGLangStockArm(capacity, policy=name.partition(":")[2] or "lru")
-    params = {"tokens_per_block": bt} if name in ("cost", "gdsf") else {}
+    params = {"tokens_per_block": block_tokens} if name in ("cost", "gdsf") else {}
     arm = KVPlugArm(name, make_policy(name, **params), capacity)
     if isinstance(arm.cache.policy, BeladyPolicy):
         arm.cache.policy.set_oracle(future_uses(jobs, arm, sequential))

@@ -19,19 +19,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvplug.errors import KVPlugError
-from kvplug.replay.trace import Trace, TraceRequest
+from kvplug.replay.trace import BLOCK_TOKENS as TRACE_BLOCK_TOKENS
+from kvplug.replay.trace import Trace, TraceRequest, count_blocks
 
-BLOCK_TOKENS = 512
+BLOCK_TOKENS = TRACE_BLOCK_TOKENS["mooncake"]
 
 
 @dataclass
-class _Ids:
+class _BlockIds:
+    """Hands out block ids never used before."""
+
     next_id: int = 0
 
-    def fresh(self, n: int) -> list[int]:
+    def fresh(self, count: int) -> list[int]:
         start = self.next_id
-        self.next_id += n
-        return list(range(start, start + n))
+        self.next_id += count
+        return list(range(start, start + count))
 
 
 @dataclass
@@ -41,70 +44,81 @@ class _Context:
     blocks: list[int] = field(default_factory=list)
     tokens: int = 0
 
-    def extend(self, tokens: int, ids: _Ids) -> TraceRequest:
+    def extend(self, tokens: int, ids: _BlockIds) -> TraceRequest:
         """Add `tokens` (fresh content); return the request that sends the result.
 
         The old partial block (if any) now holds different tokens, so it gets a new id.
         """
-        full = self.tokens // BLOCK_TOKENS
+        kept = count_blocks(self.tokens, BLOCK_TOKENS).full
         self.tokens += tokens
-        total = -(-self.tokens // BLOCK_TOKENS)
-        self.blocks = self.blocks[:full] + ids.fresh(total - full)
+        total = count_blocks(self.tokens, BLOCK_TOKENS).total
+        self.blocks = self.blocks[:kept] + ids.fresh(total - kept)
         return TraceRequest(0.0, self.tokens, 0, tuple(self.blocks))
 
 
-def _request(ctx: _Context, extra: int, ids: _Ids, at: float, output: int) -> TraceRequest:
-    req = ctx.extend(extra, ids)
-    return TraceRequest(at, req.input_length, output, req.hash_ids)
+def _request(context: _Context, extra: int, ids: _BlockIds, at: float, output: int) -> TraceRequest:
+    """`context` extended by `extra` fresh tokens, sent at `at` for `output` tokens."""
+    extended = context.extend(extra, ids)
+    return TraceRequest(at, extended.input_length, output, extended.hash_ids)
 
 
-def system_prompts(rng: random.Random, duration: float, rate: float, ids: _Ids) -> list:
+# A workload: (rng, duration s, rate per s, ids) -> its requests, in any order.
+WorkloadGenerator = Callable[[random.Random, float, float, _BlockIds], list[TraceRequest]]
+
+
+def system_prompts(
+    rng: random.Random, duration: float, rate: float, ids: _BlockIds
+) -> list[TraceRequest]:
     prompts = [_Context() for _ in range(12)]
-    for p in prompts:
-        p.extend(rng.randint(2, 16) * BLOCK_TOKENS, ids)
-    weights = [1 / (k + 1) ** 1.1 for k in range(len(prompts))]
-    out, t = [], 0.0
-    while (t := t + rng.expovariate(rate)) < duration:
+    for prompt in prompts:
+        prompt.extend(rng.randint(2, 16) * BLOCK_TOKENS, ids)
+    weights = [1 / (rank + 1) ** 1.1 for rank in range(len(prompts))]
+    requests, now = [], 0.0
+    while (now := now + rng.expovariate(rate)) < duration:
         base = rng.choices(prompts, weights)[0]
-        ctx = _Context(list(base.blocks), base.tokens)
-        out.append(_request(ctx, rng.randint(50, 3000), ids, t, rng.randint(50, 400)))
-    return out
+        context = _Context(list(base.blocks), base.tokens)
+        requests.append(_request(context, rng.randint(50, 3000), ids, now, rng.randint(50, 400)))
+    return requests
 
 
-def multi_turn(rng: random.Random, duration: float, rate: float, ids: _Ids) -> list:
-    out, t = [], 0.0
-    while (t := t + rng.expovariate(rate / 4)) < duration:  # about 4 turns per chat
-        ctx, at, last_answer = _Context(), t, 0
+def multi_turn(
+    rng: random.Random, duration: float, rate: float, ids: _BlockIds
+) -> list[TraceRequest]:
+    requests, chat = [], 0.0  # chat: when the current chat starts
+    while (chat := chat + rng.expovariate(rate / 4)) < duration:  # about 4 turns per chat
+        context, at, last_answer = _Context(), chat, 0
         while at < duration:
             message = last_answer + rng.randint(100, 4000)  # the previous answer, a new message
             answer = rng.randint(100, 600)
-            out.append(_request(ctx, message, ids, at, answer))
+            requests.append(_request(context, message, ids, at, answer))
             if rng.random() < 0.25:
                 break
             at += rng.expovariate(1 / 45.0) + answer / 40.0  # reading the answer, typing
             last_answer = answer
-    return out
+    return requests
 
 
-def agent_loop(rng: random.Random, duration: float, rate: float, ids: _Ids) -> list:
+def agent_loop(
+    rng: random.Random, duration: float, rate: float, ids: _BlockIds
+) -> list[TraceRequest]:
     tools = _Context()
     tools.extend(24 * BLOCK_TOKENS, ids)
-    out, t = [], 0.0
-    while (t := t + rng.expovariate(rate / 15)) < duration:  # about 15 steps per agent
-        ctx, at, step = _Context(list(tools.blocks), tools.tokens), t, 0
+    requests, agent = [], 0.0  # agent: when the current agent starts
+    while (agent := agent + rng.expovariate(rate / 15)) < duration:  # about 15 steps per agent
+        context, at, step = _Context(list(tools.blocks), tools.tokens), agent, 0
         extra = rng.randint(200, 2000)  # the task
         while at < duration and step < 60:
             output = rng.randint(10, 80)
-            out.append(_request(ctx, extra, ids, at, output))
+            requests.append(_request(context, extra, ids, at, output))
             extra = output + rng.randint(300, 6000)  # the step, then the tool's output
             at += rng.uniform(1.0, 8.0)
             step += 1
             if rng.random() < 0.07:
                 break
-    return out
+    return requests
 
 
-GENERATORS: dict[str, Callable[[random.Random, float, float, _Ids], list]] = {
+GENERATORS: dict[str, WorkloadGenerator] = {
     "system-prompts": system_prompts,
     "multi-turn": multi_turn,
     "agent-loop": agent_loop,
@@ -119,12 +133,12 @@ def synthetic_trace(
         raise KVPlugError(
             f"unknown synthetic workload {name!r}; accepted: {', '.join(GENERATORS)}, mixed"
         )
-    rng, ids = random.Random(seed), _Ids()
+    rng, ids = random.Random(seed), _BlockIds()
     names = list(GENERATORS) if name == "mixed" else [name]
     requests = []
     for part in names:
         requests += GENERATORS[part](rng, duration, rate / len(names), ids)
-    requests.sort(key=lambda r: r.arrival)
+    requests.sort(key=lambda request: request.arrival)
     return Trace(f"synthetic-{name}", BLOCK_TOKENS, requests)
 
 

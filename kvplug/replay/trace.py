@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from kvplug.errors import KVPlugError
 
 FORMATS = ("mooncake", "bailian")
-BLOCK_TOKENS = {"mooncake": 512, "bailian": 16}
+BLOCK_TOKENS = {"mooncake": 512, "bailian": 16}  # tokens per hash id, by format
 _FIELDS = {
     "mooncake": ("timestamp", "input_length", "output_length", "hash_ids"),
     "bailian": ("chat_id", "timestamp", "input_length", "output_length", "hash_ids"),
@@ -29,6 +30,26 @@ _FIELDS = {
 
 class TraceError(KVPlugError, ValueError):
     """A trace line that cannot be replayed."""
+
+
+class BlockCount(NamedTuple):
+    """How many blocks of a fixed size some tokens take."""
+
+    full: int  # blocks the tokens fill completely
+    total: int  # the full blocks, plus one for a partial last block if there is one
+
+    @property
+    def has_partial(self) -> bool:
+        return self.total > self.full
+
+
+def count_blocks(tokens: int, block_tokens: int) -> BlockCount:
+    """The one rule for tokens per block in the replay: `tokens` in blocks of `block_tokens`.
+
+    A prompt of `tokens` tokens has `total` hash ids; only its `full` blocks can be shared,
+    a partial last block holding content that no other prompt has.
+    """
+    return BlockCount(tokens // block_tokens, -(-tokens // block_tokens))
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,16 +69,16 @@ class Trace:
 
     @property
     def prompt_blocks(self) -> int:
-        return sum(len(r.hash_ids) for r in self.requests)
+        return sum(len(request.hash_ids) for request in self.requests)
 
     @property
     def distinct_blocks(self) -> int:
         """Distinct blocks, a block being its id together with every id before it."""
-        nodes: dict[tuple[int, int], int] = {}
-        for req in self.requests:
+        nodes: dict[tuple[int, int], int] = {}  # (parent node, block id) -> node
+        for request in self.requests:
             parent = -1
-            for h in req.hash_ids:
-                parent = nodes.setdefault((parent, h), len(nodes))
+            for block_id in request.hash_ids:
+                parent = nodes.setdefault((parent, block_id), len(nodes))
         return len(nodes)
 
 
@@ -108,7 +129,7 @@ def read_trace(path: str | Path, fmt: str | None = None) -> Trace:
             isinstance(h, int) and not isinstance(h, bool) for h in ids
         ):
             raise TraceError(f"{where}: 'hash_ids' must be a list of integers")
-        expected = -(-input_length // BLOCK_TOKENS[fmt])
+        expected = count_blocks(input_length, BLOCK_TOKENS[fmt]).total
         if len(ids) != expected:
             raise TraceError(
                 f"{where}: {len(ids)} hash_ids for input_length {input_length}; "
@@ -130,16 +151,16 @@ def _check_chain(
     ids: list[int], parents: dict[int, tuple[int | None, int]], where: str, lineno: int
 ) -> None:
     parent: int | None = None
-    for pos, h in enumerate(ids):
-        first = parents.setdefault(h, (parent, lineno))
-        if first[0] != parent:
+    for position, block_id in enumerate(ids):
+        first_parent, first_line = parents.setdefault(block_id, (parent, lineno))
+        if first_parent != parent:
             before = "the start of the prompt" if parent is None else f"id {parent}"
-            then = "the start of the prompt" if first[0] is None else f"id {first[0]}"
+            then = "the start of the prompt" if first_parent is None else f"id {first_parent}"
             raise TraceError(
-                f"{where}: hash id {h} at block {pos} follows {before}, but on line {first[1]} "
-                f"it follows {then}; Mooncake ids must be prefix-chained"
+                f"{where}: hash id {block_id} at block {position} follows {before}, but on line "
+                f"{first_line} it follows {then}; Mooncake ids must be prefix-chained"
             )
-        parent = h
+        parent = block_id
 
 
 def _number(value: object, name: str, where: str) -> float:
@@ -156,16 +177,19 @@ def _count(value: object, name: str, where: str, minimum: int) -> int:
 
 def write_trace(trace: Trace, path: str | Path) -> Path:
     """Write `trace` as Mooncake JSON lines (timestamps in ms). Needs 512-token blocks."""
-    if trace.block_tokens != BLOCK_TOKENS["mooncake"]:
-        raise TraceError(f"Mooncake traces use 512-token blocks, not {trace.block_tokens}")
+    mooncake_tokens = BLOCK_TOKENS["mooncake"]
+    if trace.block_tokens != mooncake_tokens:
+        raise TraceError(
+            f"Mooncake traces use {mooncake_tokens}-token blocks, not {trace.block_tokens}"
+        )
     path = Path(path)
     with path.open("w", encoding="utf-8") as out:
-        for r in trace.requests:
+        for request in trace.requests:
             row = {
-                "timestamp": round(r.arrival * 1000),
-                "input_length": r.input_length,
-                "output_length": r.output_length,
-                "hash_ids": list(r.hash_ids),
+                "timestamp": round(request.arrival * 1000),
+                "input_length": request.input_length,
+                "output_length": request.output_length,
+                "hash_ids": list(request.hash_ids),
             }
             out.write(json.dumps(row) + "\n")
     return path

