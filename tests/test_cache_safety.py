@@ -13,6 +13,7 @@ from kvplug.core.pool import BlockState
 from kvplug.errors import (
     CapacityError,
     ConfigError,
+    DuplicateRequestError,
     FenceError,
     KVPlugError,
     OutOfBlocksError,
@@ -74,16 +75,45 @@ def test_safety_matrix(case, prompt, kwargs, reusable) -> None:
     cache.check_invariants()
 
 
-def test_cross_tenant_reuse_only_when_configured() -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["separate", "shared"])
+def test_cross_tenant_reuse_only_when_configured(shared: bool) -> None:
     other = replace(BASE, tenant="globex")
-    cache = _cache(share_across_tenants=True)
+    cache = _cache(share_across_tenants=shared)
     _run(cache, "a", PROMPT)
-    assert _run(cache, "b", PROMPT, namespace=other) == 512
+    assert _run(cache, "a again", PROMPT) == 512  # the prompt is reusable within a tenant
+    assert len(cache.index) == 32
+    assert _run(cache, "b", PROMPT, namespace=other) == (512 if shared else 0)
+    assert len(cache.match(PROMPT, namespace=other)) == 32  # b's own blocks, if not shared
+    assert len(cache.index) == (32 if shared else 64)  # one copy, or one per tenant
+    assert (cache.resolve_namespace(other) == cache.resolve_namespace()) is shared
+    cache.check_invariants()
 
 
 def test_block_size_is_part_of_the_namespace() -> None:
-    small, large = KVCache(64, 16), KVCache(64, 32)
-    assert small.resolve_namespace() != large.resolve_namespace()
+    published: dict[int, list] = {16: [], 32: []}
+    small = KVCache(64, 16, namespace=BASE, event_sink=published[16].append)
+    large = KVCache(64, 32, namespace=BASE, event_sink=published[32].append)
+    ns_small, ns_large = small.resolve_namespace(), large.resolve_namespace()
+    assert (ns_small.block_size, ns_large.block_size) == (16, 32)
+    assert replace(ns_small, block_size=0) == replace(ns_large, block_size=0)
+    assert small.hasher.root_key(ns_small) != large.hasher.root_key(ns_large)
+
+    prompt = PREFIX[:64] + [42]
+    for cache in (small, large):
+        _run(cache, "a", prompt)
+    # The same 64 tokens under the same namespace otherwise: no key is shared, not even
+    # where a 32-token block and two 16-token blocks end on the same token.
+    small_keys = [event.key for event in published[16]]
+    large_keys = [event.key for event in published[32]]
+    assert (len(small_keys), len(large_keys)) == (4, 2)
+    assert not set(small_keys) & set(large_keys)
+    # Each cache finds its own blocks, and a namespace naming another block size is
+    # looked up under the cache's own.
+    assert [n.key for n in small.match(prompt)] == small_keys
+    assert [n.key for n in large.match(prompt)] == large_keys
+    assert small.resolve_namespace(replace(BASE, block_size=32)) == ns_small
+    assert [n.key for n in small.match(prompt, replace(BASE, block_size=32))] == small_keys
+    assert _run(small, "b", prompt, namespace=replace(BASE, block_size=32)) == 64
 
 
 @pytest.mark.parametrize("algo", sorted(HASH_ALGORITHMS))
@@ -257,6 +287,8 @@ def _snapshot(cache: KVCache):
         copy.deepcopy(cache.metrics),
         cache.usage(),
         {r: cache.block_table(r) for r in cache.requests},
+        [(b.state, b.ref_cnt, b.num_tokens) for b in cache.pool.blocks],
+        (cache.num_free_blocks, cache.num_reclaimable, len(cache.index)),
         cache.step,
         cache.last_fence,
     )
@@ -288,7 +320,9 @@ def test_bad_input_leaves_the_cache_unchanged() -> None:
     _run(cache, "a", list(range(9)))
     cache.finish("a")
     _run(cache, "b", list(range(10)))
+    cache.add_request("c", [5] * 12)  # admitted, but its 3 blocks will not fit (1 is free)
     before = _snapshot(cache)
+    assert before[0].requests == 3 and before[0].matched_tokens == 8
 
     with pytest.raises(CapacityError, match="limit of 12"):  # appending past the table
         cache.append("b", [1, 2, 3])
@@ -296,33 +330,57 @@ def test_bad_input_leaves_the_cache_unchanged() -> None:
         cache.finish("zzz")
     with pytest.raises(UnknownRequestError):
         cache.append("zzz", [1])
+    with pytest.raises(UnknownRequestError):
+        cache.touch("zzz")
+    with pytest.raises(UnknownRequestError):
+        cache.fork("zzz", "y")
+    with pytest.raises(DuplicateRequestError):
+        cache.fork("b", "c")
+    with pytest.raises(DuplicateRequestError):
+        cache.add_request("b", list(range(10)))
     with pytest.raises(FenceError, match="older"):
         cache.fence(cache.last_fence - 1)
     with pytest.raises(FenceError, match="not issued"):
         cache.fence(cache.step + 5)
+    assert cache.blocks_needed("c", 12) == 3 and not cache.can_append("c", 12)
     with pytest.raises(OutOfBlocksError, match="need"):
-        cache.add_request("c", [5] * 12)
         cache.append("c", [5] * 12)
-    cache.finish("c")
     with pytest.raises(KVPlugError, match="empty prompt"):
         cache.add_request("d", [])
     with pytest.raises(CapacityError):
         cache.add_request("e", list(range(13)))
 
-    assert _snapshot(cache)[2:] == before[2:]
-    assert _snapshot(cache)[1] == before[1]
+    assert _snapshot(cache) == before  # metrics, gauges, tables, blocks, step and fence
+    cache.check_invariants()
+    cache.finish("c")
     cache.check_invariants()
 
 
 def test_double_free_is_refused() -> None:
     cache = KVCache(4, 4)
     cache.add_request("a", [1, 2])
+    (block_id,) = cache.append("a", [1, 2]).new_blocks
+    cache.complete_step()
     cache.finish("a")
     with pytest.raises(UnknownRequestError, match="already finished"):
         cache.finish("a")
-    block = cache.pool.blocks[0]
-    with pytest.raises(KVPlugError, match="double free"):
+    block = cache.pool.blocks[block_id]
+    assert block.state is BlockState.FREE  # really allocated, then freed by the finish
+    assert cache.metrics.allocations == cache.metrics.frees == 1
+    before = _snapshot(cache)
+    with pytest.raises(KVPlugError, match=f"double free of block {block_id}"):
         cache.pool.free(block)
+    assert _snapshot(cache) == before
+    assert cache.num_free_blocks == 4  # it is in the free queue once, not twice
+    cache.check_invariants()
+    got = []
+    for i in range(4):
+        cache.add_request(i, [i])
+        got += cache.append(i, [i]).new_blocks
+    assert sorted(got) == [0, 1, 2, 3]
+    with pytest.raises(OutOfBlocksError):
+        cache.add_request(9, [9])
+        cache.append(9, [9])
 
 
 # ---------------------------------------------------------------- gauges and groups

@@ -109,14 +109,33 @@ def test_cost_learns_which_classes_come_back() -> None:
     cache.check_invariants()
 
 
-def test_cost_ghosts_give_back_credit() -> None:
-    cache = KVCache(4, 1, policy=CostPolicy(tokens_per_block=16, ghost_ratio=4))
-    _serve(cache, "a", [1, 2, 0])
-    cache.evict(4)
-    assert cache.match([1, 2, 3]) == []
+@pytest.mark.parametrize("ghost_ratio", [4, 0], ids=["ghosts", "no ghosts"])
+def test_cost_ghosts_give_back_credit(ghost_ratio: int) -> None:
+    cache = KVCache(4, 1, policy=CostPolicy(tokens_per_block=16, ghost_ratio=ghost_ratio))
+    policy = cache.policy
+    _serve(cache, "a", [1, 2, 0])  # three blocks, never reused; released tail first
+    # Each release opens a trial in the never-reused class of its distance from the end.
+    never = [(0, from_end, 0, 0) for from_end in (2, 1, 0)]  # depth 0, 1, 2
+    assert [policy.classify(n) for n in cache.match([1, 2, 0, 9])] == never
+    assert cache.evict(4) == 3
+    assert cache.match([1, 2, 0, 9]) == []
+    # Evicted: with a ghost history the trials stay open there; without, they close unused.
+    closed = (0, 1 / 2) if ghost_ratio else (1, 1 / 3)
+    assert policy.learned() == {cls: closed for cls in never}
+
     _serve(cache, "b", [1, 2, 0])  # recomputed: the ghost history remembers it
-    assert cache.policy._credit and min(cache.policy._credit.values()) >= 1
-    assert any(n for n, _ in cache.policy.learned().values())
+    nodes = cache.match([1, 2, 0, 9])
+    assert [n.hits for n in nodes] == [0, 0, 0]
+    if ghost_ratio:
+        # Each re-insert closed its ghost's trial as reused and got one reuse back, so
+        # its release put it in the reused-once class (output bucket 0).
+        assert policy.learned() == {**{cls: (1, 2 / 3) for cls in never}, (1, 0): (0, 1 / 2)}
+        assert [policy.reuses(n) for n in nodes] == [1, 1, 1]
+        assert [policy.classify(n) for n in nodes] == [(1, 0)] * 3
+    else:  # no history: the trials closed as not reused when evicted, and no credit
+        assert policy.learned() == {cls: (1, 1 / 3) for cls in never}
+        assert [policy.reuses(n) for n in nodes] == [0, 0, 0]
+        assert [policy.classify(n) for n in nodes] == never
 
 
 def _machine_under(policy: str):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import astuple, dataclass, replace
 
 import xxhash
@@ -52,7 +52,8 @@ class Namespace:
     block_size: int = 0  # tokens per block; 0 until a cache binds it
 
     def encode(self) -> bytes:
-        return "\x1f".join(str(field) for field in astuple(self)).encode()
+        """Unambiguous bytes: different namespaces never encode alike."""
+        return encode_fields(str(field) for field in astuple(self))
 
     def with_block_size(self, block_size: int) -> Namespace:
         return self if self.block_size == block_size else replace(self, block_size=block_size)
@@ -90,8 +91,18 @@ class BlockHasher:
     ) -> BlockKey:
         payload = parent + array("q", tokens).tobytes()
         if extras:
-            payload += b"\x00" + "\x1f".join(extras).encode()
+            payload += b"\x00" + encode_fields(extras)
         return self._digest(payload)
+
+
+def encode_fields(fields: Iterable[str]) -> bytes:
+    """Each field as its UTF-8 length (4 bytes) then its bytes: no two different lists of
+    fields give the same bytes, whatever characters the fields contain."""
+    out = bytearray()
+    for field in fields:
+        data = field.encode()
+        out += len(data).to_bytes(4, "little") + data
+    return bytes(out)
 
 
 def block_extras(features: Sequence[MMFeature], start: int, end: int) -> tuple[str, ...]:

@@ -24,6 +24,7 @@ import xxhash
 from vllm.v1.core.sched import scheduler as vllm_scheduler
 
 from kvplug.config import KVPlugConfig
+from kvplug.core.keys import encode_fields
 from kvplug.core.model_spec import ModelSpec, load_model
 from kvplug.errors import ConfigError
 from kvplug.policies import available_policies, make_policy
@@ -155,7 +156,7 @@ class KVPlugSchedulerMixin:
         if tenant == default and not exported:
             return
         parts = [*self._namespace.values(), tenant, request.cache_salt or ""]
-        request.cache_salt = "kvplug:" + xxhash.xxh3_128_hexdigest("\x1f".join(parts).encode())
+        request.cache_salt = "kvplug:" + xxhash.xxh3_128_hexdigest(encode_fields(parts))
         request.block_hashes = []
         request.update_block_hashes()
 
