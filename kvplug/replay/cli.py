@@ -69,31 +69,52 @@ def _run(
     prefill_tps: float,
     decode_tps: float,
     quiet: bool,
+    fleet: FleetSpec | None = None,
 ) -> None:
-    """Replay `trace` through `arms`, print the report, write the plot."""
+    """Replay `trace` through `arms` (or, with `fleet`, through fleets running those
+    policies), print the report, write the plot."""
     spec = load_model(model)
     capacities = capacities_for(trace, capacity_blocks, capacity_fractions)
     progress = None if quiet else (lambda msg: click.echo(f"  {msg}", err=True))
-    rows = run_replay(
-        trace,
-        arms,
-        capacities,
-        spec,
-        sequential=sequential,
-        timing=Timing(prefill_tps, decode_tps),
-        progress=progress,
-    )
+    timing = Timing(prefill_tps, decode_tps)
     mode = "sequential" if sequential else "realistic"
+    if fleet is None:
+        rows = run_replay(
+            trace, arms, capacities, spec, sequential=sequential, timing=timing,
+            progress=progress,
+        )  # fmt: skip
+        report = render(rows, fmt)
+        what = f"{mode} replay"
+    else:
+        fleet_rows = run_fleet(
+            trace, fleet.routers, arms, fleet.engine_counts, capacities, spec, timing=timing,
+            event_lag_s=fleet.event_lag_s, load_penalty=fleet.load_penalty, progress=progress,
+        )  # fmt: skip
+        report = render_fleet(fleet_rows, fmt)
+        what = (
+            f"fleet replay ({mode}), capacity = the fleet's total; KV events reach the "
+            f"router after {fleet.event_lag_s:g} s; load penalty {fleet.load_penalty:g}"
+        )
     if fmt == "table":
         click.echo(
             f"{trace.name}: {len(trace.requests)} requests, {trace.prompt_blocks:,} prompt blocks "
-            f"({trace.distinct_blocks:,} distinct) of {trace.block_tokens} tokens; {mode} replay; "
+            f"({trace.distinct_blocks:,} distinct) of {trace.block_tokens} tokens; {what}; "
             f"cost model {spec.name}\n"
         )
-    click.echo(render(rows, fmt))
+    click.echo(report)
     if plot_path:
         path = plot(rows, plot_path, f"{trace.name} ({mode})")
         click.echo(f"\nplot: {path}", err=fmt != "table")
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """What a fleet replay varies besides policies and capacities, and how it routes."""
+
+    engine_counts: list[int]
+    routers: list[str]
+    event_lag_s: float
+    load_penalty: float
 
 
 _common = [
@@ -208,7 +229,7 @@ def replay(
             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
                 flag = next(p.opts[0] for p in ctx.command.params if p.name == name)
                 raise click.UsageError(f"{flag} applies to the fleet replay only: add --engines N")
-        arms = [a.strip() for a in policies.split(",") if a.strip()]
+        arms = _names(policies)
         check_arm_names(arms)  # before reading a large trace
         _run(load_trace(trace, trace_format), arms, plot_path, **options)
         return
@@ -222,68 +243,16 @@ def replay(
     fleet = FleetSpec(
         engine_counts=_numbers(engines, int, "--engines"),
         routers=_names(routers or ",".join(ROUTERS)),
-        policies=_names(policies),
         event_lag_s=event_lag,
         load_penalty=load_penalty,
     )
     check_router_names(fleet.routers)  # before reading a large trace
-    check_fleet_policies(fleet.policies)
-    _run_fleet(load_trace(trace, trace_format), fleet, **options)
+    check_fleet_policies(_names(policies))
+    _run(load_trace(trace, trace_format), _names(policies), None, fleet=fleet, **options)
 
 
 def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
-
-
-@dataclass(frozen=True)
-class FleetSpec:
-    """What a fleet replay varies: engine counts, routers, policies; and how it routes."""
-
-    engine_counts: list[int]
-    routers: list[str]
-    policies: list[str]
-    event_lag_s: float
-    load_penalty: float
-
-
-def _run_fleet(
-    trace: Trace,
-    fleet: FleetSpec,
-    *,
-    model: str,
-    sequential: bool,
-    capacity_blocks: str | None,
-    capacity_fractions: str,
-    fmt: str,
-    prefill_tps: float,
-    decode_tps: float,
-    quiet: bool,
-) -> None:
-    """Route `trace` across each fleet and print the fleet report."""
-    spec = load_model(model)
-    capacities = capacities_for(trace, capacity_blocks, capacity_fractions)
-    progress = None if quiet else (lambda msg: click.echo(f"  {msg}", err=True))
-    rows = run_fleet(
-        trace,
-        fleet.routers,
-        fleet.policies,
-        fleet.engine_counts,
-        capacities,
-        spec,
-        timing=Timing(prefill_tps, decode_tps),
-        event_lag_s=fleet.event_lag_s,
-        load_penalty=fleet.load_penalty,
-        progress=progress,
-    )
-    if fmt == "table":
-        click.echo(
-            f"{trace.name}: {len(trace.requests)} requests, {trace.prompt_blocks:,} prompt blocks "
-            f"({trace.distinct_blocks:,} distinct) of {trace.block_tokens} tokens; fleet replay "
-            f"(realistic), capacity = the fleet's total; KV events reach the router after "
-            f"{fleet.event_lag_s:g} s; load penalty {fleet.load_penalty:g}; "
-            f"cost model {spec.name}\n"
-        )
-    click.echo(render_fleet(rows, fmt))
 
 
 # `ab` options for each engine; giving one to the other engine is an error.
