@@ -26,10 +26,11 @@ from kvplug.fleet.router import (
 )
 from kvplug.fleet.view import EventFeed, KeyScheme, PrefixView
 from kvplug.policies import available_policies
-from kvplug.replay.loop import Job, ReplayCounters, Timing, make_jobs
+from kvplug.replay.loop import Job, Timing, make_jobs
 from kvplug.replay.runner import arm_policy
 from kvplug.replay.trace import Trace
 
+UNIT_BLOCK_SIZE = 1  # the engines key one trace block per cache block, as KVPlugArm does
 OFFLINE_POLICIES = ("belady",)  # need the future of each engine, which routing decides
 
 
@@ -112,7 +113,7 @@ def run_fleet(
             for router in routers:
                 for policy in policies:
                     row = run_one(
-                        trace, jobs, router, policy, count, capacity // count,
+                        trace.block_tokens, jobs, router, policy, count, capacity // count,
                         timing=timing or Timing(), event_lag_s=event_lag_s,
                         load_penalty=load_penalty,
                     )  # fmt: skip
@@ -150,7 +151,7 @@ def build_fleet(
 
 
 def run_one(
-    trace: Trace,
+    block_tokens: int,
     jobs: list[Job],
     router_name: str,
     policy: str,
@@ -164,28 +165,17 @@ def run_one(
     """One fleet: `num_engines` engines of `blocks_per_engine` blocks running `policy`."""
     started = time.perf_counter()
     engines, feed = build_fleet(
-        jobs, policy, num_engines, blocks_per_engine, trace.block_tokens, timing, event_lag_s
+        jobs, policy, num_engines, blocks_per_engine, block_tokens, timing, event_lag_s
     )
     router = make_router(router_name, num_engines, load_penalty)
-    routing = replay_fleet(engines, router, feed, KeyScheme.for_engines(1), jobs)
-    total = ReplayCounters()
-    per_engine = []
-    for engine in engines:
-        c = engine.counters
-        for name in ("requests", "prompt_tokens", "hit_tokens", "total_flops", "saved_flops",
-                     "preemptions", "rejected"):  # fmt: skip
-            setattr(total, name, getattr(total, name) + getattr(c, name))
-        per_engine.append(
-            EngineRow(
-                routed=engine.routed,
-                hit_ratio=_ratio(c.hit_tokens, c.prompt_tokens),
-                saved_compute_ratio=_ratio(c.saved_flops, c.total_flops),
-                saved_flops=c.saved_flops,
-                evictions=engine.arm.stats().evictions,
-                preemptions=c.preemptions,
-                rejected=c.rejected,
-            )
-        )
+    scheme = KeyScheme.for_engines(UNIT_BLOCK_SIZE)
+    routing = replay_fleet(engines, router, feed, scheme, jobs)
+    per_engine = [_engine_row(engine) for engine in engines]
+    counters = [engine.counters for engine in engines]
+
+    def total(name: str) -> float:
+        return sum(getattr(c, name) for c in counters)
+
     routed = [engine.routed for engine in engines]
     mean_routed = sum(routed) / len(routed)
     return FleetRow(
@@ -194,18 +184,31 @@ def run_one(
         engines=num_engines,
         capacity_blocks=blocks_per_engine * num_engines,
         event_lag_s=event_lag_s,
-        requests=total.requests,
-        hit_ratio=_ratio(total.hit_tokens, total.prompt_tokens),
-        saved_compute_ratio=_ratio(total.saved_flops, total.total_flops),
-        saved_flops=total.saved_flops,
+        requests=int(total("requests")),
+        hit_ratio=_ratio(total("hit_tokens"), total("prompt_tokens")),
+        saved_compute_ratio=_ratio(total("saved_flops"), total("total_flops")),
+        saved_flops=total("saved_flops"),
         load_imbalance=max(routed) / mean_routed if mean_routed else 1.0,
         stale_ratio=routing.stale_ratio,
         mispredicted_ratio=routing.mispredicted_ratio,
         events_in_flight=routing.mean_events_in_flight,
-        preemptions=total.preemptions,
-        rejected=total.rejected,
+        preemptions=int(total("preemptions")),
+        rejected=int(total("rejected")),
         seconds=time.perf_counter() - started,
         per_engine=per_engine,
+    )
+
+
+def _engine_row(engine: SimulatedEngine) -> EngineRow:
+    c = engine.counters
+    return EngineRow(
+        routed=engine.routed,
+        hit_ratio=_ratio(c.hit_tokens, c.prompt_tokens),
+        saved_compute_ratio=_ratio(c.saved_flops, c.total_flops),
+        saved_flops=c.saved_flops,
+        evictions=engine.arm.stats().evictions,
+        preemptions=c.preemptions,
+        rejected=c.rejected,
     )
 
 
