@@ -38,3 +38,7 @@ class FenceError(KVPlugError):
 
 class CapacityError(KVPlugError):
     """An append that would go past a request's declared maximum length."""
+
+
+class UnknownRouterError(ConfigError):
+    """A fleet router name is not one of the known routers."""

@@ -255,7 +255,8 @@ class TestKVPlugServer:
     def test_startup_log_says_kvplug_is_active_once(self, server: Server) -> None:
         log = server.log()
         assert log.count("kvplug is active") == 1, tail(log)
-        assert re.search(r"kvplug is active: policy=cost .*48 blocks of 32 tokens", log)
+        active = r"kvplug is active \(engine 0\): policy=cost .*48 blocks of 32 tokens"
+        assert re.search(active, log)
 
     def test_shared_prefix_hits_prefix_cache(
         self, server: Server, tokens: dict[str, list[int]]

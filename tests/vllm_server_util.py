@@ -122,12 +122,23 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
+SERVE_CLI = str(Path(__file__).with_name("vllm_serve_cli.py"))
+
+
 def server_command(
-    model: str, port: int, num_blocks: int, extra: Sequence[str] = (), kvplug: Any = None
+    model: str,
+    port: int,
+    num_blocks: int,
+    extra: Sequence[str] = (),
+    kvplug: Any = None,
+    serve_cli: bool = False,
 ) -> list[str]:
-    """The API server command line; `kvplug` (a dict) enables kvplug with that config."""
+    """The API server command line; `kvplug` (a dict) enables kvplug with that config.
+    `serve_cli`: ``vllm serve`` (needed for data parallelism and several API servers)
+    instead of the single API server module."""
+    entry = [SERVE_CLI] if serve_cli else ["-m", "vllm.entrypoints.openai.api_server"]
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, *entry,
         "--model", model,
         "--host", "127.0.0.1",
         "--port", str(port),
@@ -152,6 +163,7 @@ def launch(
     num_blocks: int,
     extra: Sequence[str] = (),
     kvplug: Any = None,
+    serve_cli: bool = False,
 ) -> Server:
     """Start a server in its own process group; returns at once (see `wait_healthy`)."""
     port = free_port()
@@ -161,9 +173,12 @@ def launch(
     metrics_dir = log_path.parent / "kvplug-metrics"
     env["KVPLUG_METRICS_DIR"] = str(metrics_dir)
     env["PYTHONUNBUFFERED"] = "1"
+    if serve_cli:  # a script puts its own folder on sys.path; `-m` would put the checkout's
+        repo = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            server_command(model, port, num_blocks, extra, kvplug),
+            server_command(model, port, num_blocks, extra, kvplug, serve_cli),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

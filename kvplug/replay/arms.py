@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from kvplug.core.cache import KVCache
+from kvplug.core.events import EventSink
 from kvplug.policies import EvictionPolicy
 
 FRESH_UNIT_BASE = 1 << 40  # unit ids at or above this are never shared
@@ -83,9 +84,15 @@ class CacheArm(ABC):
 class KVPlugArm(CacheArm):
     """kvplug's own cache with one of its policies."""
 
-    def __init__(self, name: str, policy: EvictionPolicy, capacity_blocks: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        policy: EvictionPolicy,
+        capacity_blocks: int,
+        event_sink: EventSink | None = None,
+    ) -> None:
         self.name = name
-        self.cache = KVCache(capacity_blocks, 1, policy=policy)
+        self.cache = KVCache(capacity_blocks, 1, policy=policy, event_sink=event_sink)
 
     def admit(self, req_id: int, prompt: list[int], compute: int) -> int | None:
         cache = self.cache

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import click
 
 from kvplug.core.model_spec import DEFAULT_MODEL, load_model
+from kvplug.fleet.report import render as render_fleet
+from kvplug.fleet.router import DEFAULT_LOAD_PENALTY, ROUTERS, check_router_names
+from kvplug.fleet.runner import check_fleet_policies, run_fleet
 from kvplug.replay.loop import Timing
 from kvplug.replay.report import FORMATS, plot, render
 from kvplug.replay.runner import check_arm_names, run_replay
@@ -19,6 +23,7 @@ from kvplug.serving.workload import WORKLOADS
 
 DEFAULT_FRACTIONS = "0.02,0.05,0.1,0.25"
 BUNDLED_TRACE = "synthetic-mixed.jsonl"
+FLEET_POLICIES = "lru,cost"
 
 
 def bundled_trace_path() -> Path:
@@ -64,31 +69,52 @@ def _run(
     prefill_tps: float,
     decode_tps: float,
     quiet: bool,
+    fleet: FleetSpec | None = None,
 ) -> None:
-    """Replay `trace` through `arms`, print the report, write the plot."""
+    """Replay `trace` through `arms` (or, with `fleet`, through fleets running those
+    policies), print the report, write the plot."""
     spec = load_model(model)
     capacities = capacities_for(trace, capacity_blocks, capacity_fractions)
     progress = None if quiet else (lambda msg: click.echo(f"  {msg}", err=True))
-    rows = run_replay(
-        trace,
-        arms,
-        capacities,
-        spec,
-        sequential=sequential,
-        timing=Timing(prefill_tps, decode_tps),
-        progress=progress,
-    )
+    timing = Timing(prefill_tps, decode_tps)
     mode = "sequential" if sequential else "realistic"
+    if fleet is None:
+        rows = run_replay(
+            trace, arms, capacities, spec, sequential=sequential, timing=timing,
+            progress=progress,
+        )  # fmt: skip
+        report = render(rows, fmt)
+        what = f"{mode} replay"
+    else:
+        fleet_rows = run_fleet(
+            trace, fleet.routers, arms, fleet.engine_counts, capacities, spec, timing=timing,
+            event_lag_s=fleet.event_lag_s, load_penalty=fleet.load_penalty, progress=progress,
+        )  # fmt: skip
+        report = render_fleet(fleet_rows, fmt)
+        what = (
+            f"fleet replay ({mode}), capacity = the fleet's total; KV events reach the "
+            f"router after {fleet.event_lag_s:g} s; load penalty {fleet.load_penalty:g}"
+        )
     if fmt == "table":
         click.echo(
             f"{trace.name}: {len(trace.requests)} requests, {trace.prompt_blocks:,} prompt blocks "
-            f"({trace.distinct_blocks:,} distinct) of {trace.block_tokens} tokens; {mode} replay; "
+            f"({trace.distinct_blocks:,} distinct) of {trace.block_tokens} tokens; {what}; "
             f"cost model {spec.name}\n"
         )
-    click.echo(render(rows, fmt))
+    click.echo(report)
     if plot_path:
         path = plot(rows, plot_path, f"{trace.name} ({mode})")
         click.echo(f"\nplot: {path}", err=fmt != "table")
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """What a fleet replay varies besides policies and capacities, and how it routes."""
+
+    engine_counts: list[int]
+    routers: list[str]
+    event_lag_s: float
+    load_penalty: float
 
 
 _common = [
@@ -150,16 +176,83 @@ def _with_common(fn):
     help="Default: detected from the first line.",
 )
 @click.option("--plot", "plot_path", default=None, help="Write saved compute vs capacity here.")
+@click.option(
+    "--engines",
+    default=None,
+    help="Fleet replay: route the trace across N simulated engines (comma-separated counts), "
+    "each with its own cache of capacity/N blocks. Default policies there: lru,cost.",
+)
+@click.option(
+    "--router",
+    "routers",
+    default=None,
+    help=f"Fleet replay: routers, comma-separated: {', '.join(ROUTERS)} (default: all).",
+)
+@click.option(
+    "--event-lag",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Fleet replay: seconds before an engine's KV event reaches the router.",
+)
+@click.option(
+    "--load-penalty",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_LOAD_PENALTY,
+    show_default=True,
+    help="Fleet replay: the cache-aware router's weight on load against prefix share.",
+)
 @_with_common
-def replay(trace: str, policies: str, trace_format: str | None, plot_path, **options) -> None:
+@click.pass_context
+def replay(
+    ctx: click.Context,
+    trace: str,
+    policies: str,
+    trace_format: str | None,
+    plot_path: str | None,
+    engines: str | None,
+    routers: str | None,
+    event_lag: float,
+    load_penalty: float,
+    **options,
+) -> None:
     """Replay TRACE through several eviction policies and cache sizes.
 
     TRACE is a Mooncake or Bailian JSON-lines file, or synthetic:NAME with NAME one of
     system-prompts, multi-turn, agent-loop, mixed.
+
+    With --engines N: the fleet replay. Each request goes to one of N engines, chosen by
+    the router from the engines' KV events and loads; capacities are the fleet's total.
     """
-    arms = [a.strip() for a in policies.split(",") if a.strip()]
-    check_arm_names(arms)  # before reading a large trace
-    _run(load_trace(trace, trace_format), arms, plot_path, **options)
+    if engines is None:
+        for name in ("routers", "event_lag", "load_penalty"):
+            if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
+                flag = next(p.opts[0] for p in ctx.command.params if p.name == name)
+                raise click.UsageError(f"{flag} applies to the fleet replay only: add --engines N")
+        arms = _names(policies)
+        check_arm_names(arms)  # before reading a large trace
+        _run(load_trace(trace, trace_format), arms, plot_path, **options)
+        return
+    if options["sequential"] or plot_path:
+        raise click.UsageError(
+            "--sequential and --plot do not apply to the fleet replay (--engines): it models "
+            "concurrent requests, and prints a table, JSON or CSV"
+        )
+    if ctx.get_parameter_source("policies") is click.core.ParameterSource.DEFAULT:
+        policies = FLEET_POLICIES
+    fleet = FleetSpec(
+        engine_counts=_numbers(engines, int, "--engines"),
+        routers=_names(routers or ",".join(ROUTERS)),
+        event_lag_s=event_lag,
+        load_penalty=load_penalty,
+    )
+    check_router_names(fleet.routers)  # before reading a large trace
+    check_fleet_policies(_names(policies))
+    _run(load_trace(trace, trace_format), _names(policies), None, fleet=fleet, **options)
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 # `ab` options for each engine; giving one to the other engine is an error.

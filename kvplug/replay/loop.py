@@ -220,21 +220,28 @@ class RealisticReplay:
         for job in self.jobs:
             self.push(job.arrival, EventKind.ARRIVE, job.index)
         while self.events:
-            event = heapq.heappop(self.events)
-            if event.kind == EventKind.ARRIVE:
-                self.waiting.append(event.job)
-                self.admit_waiting(event.at)
-                if self.waiting and self.waiting[-1] == event.job:
-                    self.counters.waited += 1
-            elif self.running.get(event.job) != event.run_id:
-                continue  # an event of a run that was preempted
-            elif event.kind == EventKind.GROW:
-                self.grow(event.job, event.at)
-            else:
-                self.arm.finish(event.job, self.jobs[event.job].output_length)
-                del self.running[event.job]
-                self.admit_waiting(event.at)
+            self.handle(heapq.heappop(self.events))
         assert not self.waiting and not self.running
+
+    def handle(self, event: Event) -> None:
+        """Run one event taken off `events`."""
+        if event.kind == EventKind.ARRIVE:
+            self.arrive(event.job, event.at)
+        elif self.running.get(event.job) != event.run_id:
+            return  # an event of a run that was preempted
+        elif event.kind == EventKind.GROW:
+            self.grow(event.job, event.at)
+        else:
+            self.arm.finish(event.job, self.jobs[event.job].output_length)
+            del self.running[event.job]
+            self.admit_waiting(event.at)
+
+    def arrive(self, index: int, now: float) -> None:
+        """Job `index` arrives: it waits behind earlier arrivals, then starts if it fits."""
+        self.waiting.append(index)
+        self.admit_waiting(now)
+        if self.waiting and self.waiting[-1] == index:
+            self.counters.waited += 1
 
     def admit_waiting(self, now: float) -> None:
         """Start waiting requests in order until the first that does not fit."""

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from kvplug.core.index import Node
 from kvplug.core.model_spec import ModelSpec
 from kvplug.errors import KVPlugError, UnknownPolicyError
-from kvplug.policies import available_policies, make_policy
+from kvplug.policies import EvictionPolicy, available_policies, make_policy
 from kvplug.policies.belady import BeladyPolicy
 from kvplug.replay.arms import ArmUnavailable, CacheArm, KVPlugArm
 from kvplug.replay.loop import Job, Timing, make_jobs, replay
@@ -65,6 +65,13 @@ def check_arm_names(names: list[str]) -> None:
         )
 
 
+def arm_policy(name: str, block_tokens: int) -> EvictionPolicy:
+    """A fresh instance of the kvplug policy `name`, its cost model told `block_tokens` tokens
+    per unit where it has one."""
+    params = {"tokens_per_block": block_tokens} if name in ("cost", "gdsf") else {}
+    return make_policy(name, **params)
+
+
 def build_arm(
     name: str, capacity: int, jobs: list[Job], sequential: bool, block_tokens: int
 ) -> CacheArm:
@@ -76,15 +83,12 @@ def build_arm(
     if name.startswith("vllm-kvplug:"):
         from kvplug.replay.vllm_stock import VLLMStockArm
 
-        policy = name.partition(":")[2]
-        params = {"tokens_per_block": block_tokens} if policy in ("cost", "gdsf") else {}
-        return VLLMStockArm(capacity, policy=make_policy(policy, **params))
+        return VLLMStockArm(capacity, policy=arm_policy(name.partition(":")[2], block_tokens))
     if name.startswith("sglang-stock"):
         from kvplug.replay.sglang_stock import SGLangStockArm
 
         return SGLangStockArm(capacity, policy=name.partition(":")[2] or "lru")
-    params = {"tokens_per_block": block_tokens} if name in ("cost", "gdsf") else {}
-    arm = KVPlugArm(name, make_policy(name, **params), capacity)
+    arm = KVPlugArm(name, arm_policy(name, block_tokens), capacity)
     if isinstance(arm.cache.policy, BeladyPolicy):
         arm.cache.policy.set_oracle(future_uses(jobs, arm, sequential))
     return arm

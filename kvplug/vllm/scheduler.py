@@ -117,12 +117,16 @@ class KVPlugSchedulerMixin:
         self._model = model
         self._namespace = _namespace_parts(config, vllm_config)
         self._snapshots: SnapshotWriter | None = None
+        # vLLM 0.32 resets data_parallel_rank to 0 in each engine core of a dense model;
+        # data_parallel_index keeps the engine's own rank (vLLM's KV events use it too).
+        parallel = vllm_config.parallel_config
+        dp_rank = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
         if os.environ.get(METRICS_DIR_ENV):
-            dp_rank = vllm_config.parallel_config.data_parallel_rank
             self._snapshots = SnapshotWriter(engine=str(dp_rank))
         logger.info(
-            "kvplug is active: policy=%s %s, %d blocks of %d tokens, %d KV cache group(s) "
-            "(%s), prefix caching %s",
+            "kvplug is active (engine %d): policy=%s %s, %d blocks of %d tokens, "
+            "%d KV cache group(s) (%s), prefix caching %s",
+            dp_rank,
             config.policy,
             config.policy_config or "(defaults)",
             kv_cache_config.num_blocks,

@@ -6,6 +6,14 @@ process named in ``$KVPLUG_METRICS_DIR`` (kvplug's ``vllm.general_plugins`` entr
 does this before the engine core is started, so the engine core inherits it) and where
 that process's `KVPlugCollector` reads it at each scrape, exposing ``kvplug_*``
 Prometheus metrics next to vLLM's own.
+
+With several API servers (``--api-server-count > 1``, which ``vllm serve`` also picks
+by default for ``--data-parallel-size > 1``) vLLM runs Prometheus in multiprocess mode:
+it names ``$PROMETHEUS_MULTIPROC_DIR`` before starting any process, and every API
+server's ``/metrics`` shows only the per-process files there, never a registered
+collector. There the engine core also writes its stats into that folder
+(`MultiprocessMirror`), so every API server reports the same ``kvplug_*`` series, one
+``engine`` label per data-parallel rank. Exactly one path is visible in each mode.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 METRICS_DIR_ENV = "KVPLUG_METRICS_DIR"
+PROMETHEUS_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # set by vLLM for several API servers
 
 
 @dataclass
@@ -73,13 +82,56 @@ def claim_metrics_dir() -> Path:
     return Path(os.environ[METRICS_DIR_ENV])
 
 
+class MultiprocessMirror:
+    """`PoolStats` as prometheus_client metrics in vLLM's multiprocess folder.
+
+    Only for a process started with ``$PROMETHEUS_MULTIPROC_DIR`` set (prometheus_client
+    picks its file-backed values when it is imported). The metrics live in a private
+    registry, so this process exposes nothing itself; the API servers'
+    ``MultiProcessCollector`` reads the files. Invariant: after `write`, each series equals
+    the snapshot's field (counters are advanced by the difference, and `PoolStats`
+    counters never decrease; gauges keep the most recent value).
+    """
+
+    def __init__(self, engine: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.engine = engine
+        registry = CollectorRegistry()  # never exposed by this process
+        labels = ("engine", "policy")
+        self._metrics: dict[str, Any] = {}
+        for name, text in HELP.items():
+            if name in GAUGES:
+                metric = Gauge(
+                    f"kvplug_{name}", text, labels, registry=registry,
+                    multiprocess_mode="mostrecent",
+                )  # fmt: skip
+            else:
+                metric = Counter(f"kvplug_{name}", text, labels, registry=registry)
+            self._metrics[name] = metric
+        self._written: dict[str, float] = {}  # counter name -> value already in the files
+
+    def write(self, stats: PoolStats, policy: str) -> None:
+        for name, value in stats.as_dict().items():
+            series = self._metrics[name].labels(self.engine, policy)
+            if name in GAUGES:
+                series.set(value)
+            else:
+                series.inc(max(0.0, value - self._written.get(name, 0.0)))
+                self._written[name] = max(value, self._written.get(name, 0.0))
+
+
 class SnapshotWriter:
-    """Writes `PoolStats` snapshots into the folder named by ``$KVPLUG_METRICS_DIR``."""
+    """Writes `PoolStats` snapshots into the folder named by ``$KVPLUG_METRICS_DIR``, and
+    into vLLM's multiprocess Prometheus folder when there is one."""
 
     def __init__(self, engine: str, interval_s: float = 0.25) -> None:
         self.path = Path(os.environ[METRICS_DIR_ENV]) / f"engine-{engine}.json"
         self.interval_s = interval_s
         self._last = 0.0
+        self.mirror = (
+            MultiprocessMirror(engine) if os.environ.get(PROMETHEUS_MULTIPROC_ENV) else None
+        )
 
     def due(self, force: bool = False) -> bool:
         """Whether to write now: `force`, or `interval_s` since the last write."""
@@ -91,6 +143,8 @@ class SnapshotWriter:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"policy": policy, **stats.as_dict()}))
         tmp.replace(self.path)  # atomic: a scrape never sees half a file
+        if self.mirror is not None:
+            self.mirror.write(stats, policy)
 
 
 def read_snapshots(directory: Path) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -1,0 +1,216 @@
+"""Run a trace through fleets: every router x policy x engine count x fleet capacity, one
+`FleetRow` each.
+
+A fleet capacity is the fleet's total in blocks; each of the N engines gets
+``capacity // N`` of them (the row reports the total actually used). Every engine runs the
+same kvplug policy, each with its own cache. Only the realistic replay is modelled: with
+one request at a time there is no load to balance.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from kvplug.core.events import KVEvent
+from kvplug.core.model_spec import ModelSpec
+from kvplug.errors import KVPlugError, UnknownPolicyError
+from kvplug.fleet.engine import PublishingArm, SimulatedEngine
+from kvplug.fleet.loop import replay_fleet
+from kvplug.fleet.router import (
+    DEFAULT_LOAD_PENALTY,
+    check_engine_count,
+    check_router_names,
+    make_router,
+)
+from kvplug.fleet.view import EventFeed, KeyScheme, PrefixView
+from kvplug.policies import available_policies
+from kvplug.replay.loop import Job, Timing, make_jobs
+from kvplug.replay.runner import arm_policy
+from kvplug.replay.trace import Trace
+
+UNIT_BLOCK_SIZE = 1  # the engines key one trace block per cache block, as KVPlugArm does
+OFFLINE_POLICIES = ("belady",)  # need the future of each engine, which routing decides
+
+
+@dataclass
+class EngineRow:
+    """One engine of a fleet run."""
+
+    routed: int  # requests routed to it
+    hit_ratio: float
+    saved_compute_ratio: float  # of the prompts routed to it
+    saved_flops: float
+    evictions: int
+    preemptions: int
+    rejected: int
+
+
+@dataclass
+class FleetRow:
+    router: str
+    policy: str
+    engines: int
+    capacity_blocks: int  # the fleet's total: engines x blocks per engine
+    event_lag_s: float
+    requests: int = 0
+    hit_ratio: float = 0.0  # prompt tokens served from cache / prompt tokens, fleet-wide
+    saved_compute_ratio: float = 0.0  # prefill FLOPs saved / all prompt FLOPs, fleet-wide
+    saved_flops: float = 0.0
+    load_imbalance: float = 0.0  # max / mean requests routed per engine
+    stale_ratio: float = 0.0  # decisions whose view differed from the chosen cache then
+    mispredicted_ratio: float = 0.0  # decisions whose predicted hit differed from the hit
+    events_in_flight: float = 0.0  # mean events not yet delivered at a decision
+    preemptions: int = 0
+    rejected: int = 0
+    seconds: float = 0.0
+    per_engine: list[EngineRow] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_fleet_policies(names: Sequence[str]) -> None:
+    """Raise, naming what is accepted, unless every name is an online kvplug policy."""
+    accepted = [p for p in available_policies() if p not in OFFLINE_POLICIES]
+    for name in names:
+        if name not in accepted:
+            raise UnknownPolicyError(
+                f"policy {name!r} cannot run in a fleet replay; accepted: {', '.join(accepted)}"
+            )
+
+
+def run_fleet(
+    trace: Trace,
+    routers: Sequence[str],
+    policies: Sequence[str],
+    engine_counts: Sequence[int],
+    capacities: Sequence[int],
+    model: ModelSpec,
+    *,
+    timing: Timing | None = None,
+    event_lag_s: float = 0.0,
+    load_penalty: float = DEFAULT_LOAD_PENALTY,
+    progress: Callable[[str], None] | None = None,
+) -> list[FleetRow]:
+    """One row per capacity x engine count x router x policy, in that nesting order."""
+    check_router_names(routers)
+    check_fleet_policies(policies)
+    for count in engine_counts:
+        check_engine_count(count)
+    if not capacities or min(capacities) < 1:
+        raise KVPlugError(f"capacities must be positive block counts, got {list(capacities)}")
+    jobs = make_jobs(trace, model)
+    rows = []
+    for capacity in capacities:
+        for count in engine_counts:
+            if capacity < count:
+                raise KVPlugError(
+                    f"a fleet capacity of {capacity} blocks cannot be split across {count} "
+                    "engines; give at least one block per engine"
+                )
+            for router in routers:
+                for policy in policies:
+                    row = run_one(
+                        trace.block_tokens, jobs, router, policy, count, capacity // count,
+                        timing=timing or Timing(), event_lag_s=event_lag_s,
+                        load_penalty=load_penalty,
+                    )  # fmt: skip
+                    rows.append(row)
+                    if progress:
+                        progress(
+                            f"{router} / {policy}, {count} engines x {capacity // count} "
+                            f"blocks: {row.seconds:.1f} s"
+                        )
+    return rows
+
+
+def build_fleet(
+    jobs: list[Job],
+    policy: str,
+    num_engines: int,
+    blocks_per_engine: int,
+    block_tokens: int,
+    timing: Timing,
+    event_lag_s: float = 0.0,
+) -> tuple[list[SimulatedEngine], EventFeed]:
+    """`num_engines` engines running `policy`, each publishing its KV events to the feed."""
+    check_engine_count(num_engines)
+    feed = EventFeed(PrefixView(num_engines), event_lag_s)
+    engines = []
+    for engine_id in range(num_engines):
+
+        def publish(event: KVEvent, engine_id: int = engine_id) -> None:
+            feed.publish(engine_id, event)
+
+        policy_instance = arm_policy(policy, block_tokens)
+        arm = PublishingArm(f"{policy}#{engine_id}", policy_instance, blocks_per_engine, publish)
+        engines.append(SimulatedEngine(engine_id, arm, jobs, block_tokens, timing))
+    return engines, feed
+
+
+def run_one(
+    block_tokens: int,
+    jobs: list[Job],
+    router_name: str,
+    policy: str,
+    num_engines: int,
+    blocks_per_engine: int,
+    *,
+    timing: Timing,
+    event_lag_s: float,
+    load_penalty: float,
+) -> FleetRow:
+    """One fleet: `num_engines` engines of `blocks_per_engine` blocks running `policy`."""
+    started = time.perf_counter()
+    engines, feed = build_fleet(
+        jobs, policy, num_engines, blocks_per_engine, block_tokens, timing, event_lag_s
+    )
+    router = make_router(router_name, num_engines, load_penalty)
+    scheme = KeyScheme.for_engines(UNIT_BLOCK_SIZE)
+    routing = replay_fleet(engines, router, feed, scheme, jobs)
+    per_engine = [_engine_row(engine) for engine in engines]
+    counters = [engine.counters for engine in engines]
+
+    def total(name: str) -> float:
+        return sum(getattr(c, name) for c in counters)
+
+    routed = [engine.routed for engine in engines]
+    mean_routed = sum(routed) / len(routed)
+    return FleetRow(
+        router=router_name,
+        policy=policy,
+        engines=num_engines,
+        capacity_blocks=blocks_per_engine * num_engines,
+        event_lag_s=event_lag_s,
+        requests=int(total("requests")),
+        hit_ratio=_ratio(total("hit_tokens"), total("prompt_tokens")),
+        saved_compute_ratio=_ratio(total("saved_flops"), total("total_flops")),
+        saved_flops=total("saved_flops"),
+        load_imbalance=max(routed) / mean_routed if mean_routed else 1.0,
+        stale_ratio=routing.stale_ratio,
+        mispredicted_ratio=routing.mispredicted_ratio,
+        events_in_flight=routing.mean_events_in_flight,
+        preemptions=int(total("preemptions")),
+        rejected=int(total("rejected")),
+        seconds=time.perf_counter() - started,
+        per_engine=per_engine,
+    )
+
+
+def _engine_row(engine: SimulatedEngine) -> EngineRow:
+    c = engine.counters
+    return EngineRow(
+        routed=engine.routed,
+        hit_ratio=_ratio(c.hit_tokens, c.prompt_tokens),
+        saved_compute_ratio=_ratio(c.saved_flops, c.total_flops),
+        saved_flops=c.saved_flops,
+        evictions=engine.arm.stats().evictions,
+        preemptions=c.preemptions,
+        rejected=c.rejected,
+    )
+
+
+def _ratio(part: float, whole: float) -> float:
+    return part / whole if whole else 0.0
