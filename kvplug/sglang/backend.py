@@ -74,7 +74,11 @@ class KVPlugRadixCache(UnifiedRadixCache):
 
 def apply_kvplug(params: Any, config: KVPlugConfig, model: ModelSpec | None = None) -> None:
     """Configure SGLang's `CacheInitParams` so that the cache built from them is
-    kvplug's: its tree core, its full-attention component and the policy `config` names."""
+    kvplug's: its tree core, its full-attention component and the policy `config` names.
+    Registers kvplug's names with SGLang first, if the entry point has not."""
+    from kvplug.sglang.plugin import register_names
+
+    register_names()
     params.tree_core_backend = BACKEND
     params.component_registry_override = {
         **(params.component_registry_override or {}),
