@@ -16,8 +16,8 @@ its tree, allocation, locks, KV events and its own metrics.
 | module | owns |
 |---|---|
 | `plugin` | the ``sglang.srt.plugins`` entry point: policy choices, strategies, backends |
-| `backend` | the ``kvplug`` radix-cache factory, `apply_kvplug` (the one configuration site), `KVPlugRadixCache` |
-| `tree_core` | `KVPlugTreeCore` (SGLang's Python tree core) and `NodeRecord`, the eviction core's node |
+| `backend` | the ``kvplug`` cache factory, `apply_kvplug` (one set-up site), `KVPlugRadixCache` |
+| `tree_core` | `KVPlugTreeCore` (SGLang's Python tree core) and `NodeRecord` (the core's node) |
 | `components` | `KVPlugFullComponent`: lock walks and the device-eviction walk through the core |
 | `strategy` | the ``kvplug-<name>`` strategies and kvplug's config from SGLang's arguments |
 | `namespace` | the tenant and namespace salt folded into each request's ``cache_salt`` |

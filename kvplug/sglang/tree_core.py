@@ -13,6 +13,7 @@ What the tree tells the core, and where:
 | a node is added (insert) | `insert` below its parent's record; `release` | `_add_new_node` |
 | a node is split | `split`: the new upper node takes the lower's place | `_split_node` |
 | a request counts a hit on a node | `hit` | `_inc_hit_count_and_check` |
+| an unlocked node is accessed | `reclaim`, `release` | `_touch_node`, `_match_post_processor` |
 | full-attention lock 0 -> 1 / 1 -> 0 | `reclaim` / `release` | `KVPlugFullComponent` |
 | a node's full-attention KV is freed | `remove` | `KVPlugFullComponent.evict_component` |
 
@@ -24,10 +25,12 @@ Invariants (`check_invariants` audits them):
   victim kvplug names is always one SGLang may evict.
 
 Recency. SGLang's own ``lru`` orders leaves by ``last_access_time``, which its match and
-insert walks refresh, parent before child, and then lock. kvplug's ``lru`` orders by
-release. The records are released when their lock count drops to 0, root first, in the
-order SGLang stamped them, and a split refreshes the lower part as SGLang's does, so
-``kvplug-lru`` evicts exactly as SGLang's ``lru`` (tested operation for operation).
+insert walks stamp (parents older than children) and a split stamps on the lower part.
+kvplug's ``lru`` orders by release. So a record is released when its lock count drops to
+0, and released again (re-ranked) when SGLang stamps it while it is unlocked, always in
+the order SGLang stamped them (root first): ``kvplug-lru`` evicts exactly as SGLang's
+``lru`` (tested operation for operation). Other policies see such an access as a release
+too, the moment SGLang considers the node used.
 A node's ``depth`` is the page index of its last page (a split does not change it).
 """
 
@@ -121,9 +124,36 @@ class KVPlugTreeCoreMixin:
         upper = self._new_record(upper_node, parent, lower.end - len(child.key))  # type: ignore[arg-type]
         self.eviction.split(upper, lower)
         if lower.evictable:  # SGLang stamps the lower part as accessed now
-            self.eviction.reclaim(lower)
-            self.eviction.release(lower)
+            self._refresh(lower)
         return result
+
+    def _touch_node(self, node: Any) -> None:
+        super()._touch_node(node)  # type: ignore[misc]
+        record = self.records.get(node.id)
+        if record is not None and record.evictable:
+            self._refresh(record)
+
+    def _match_post_processor(
+        self, params: Any, value: Any, best_match_node: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        result = super()._match_post_processor(  # type: ignore[misc]
+            params, value, best_match_node, *args, **kwargs
+        )
+        records, root, touched = self.records, self.root_node, []
+        node = best_match_node
+        while node is not None and node is not root:
+            record = records.get(node.id)
+            if record is not None and record.evictable:
+                touched.append(record)
+            node = node.parent
+        for record in reversed(touched):  # root first: SGLang stamps parents older
+            self._refresh(record)
+        return result
+
+    def _refresh(self, record: NodeRecord) -> None:
+        """An evictable node was accessed without a lock: ranked again, as if released now."""
+        self.eviction.reclaim(record)
+        self.eviction.release(record)
 
     def _inc_hit_count_and_check(self, node: Any) -> bool:
         record = self.records.get(node.id)
@@ -177,14 +207,10 @@ class KVPlugTreeCoreMixin:
             parent_node = None if parent is None else parent.node
             expected = node.parent if node.parent is not self.root_node else None
             assert parent_node is expected, f"node {node.id}: parent link is stale"
-            children = sum(
-                1 for child in node.children.values() if child.id in self.records
-            )
+            children = sum(1 for child in node.children.values() if child.id in self.records)
             assert record.cached_children == children, f"node {node.id}: child count"
         candidates = {
-            record.node.id
-            for record in self.records.values()
-            if self.eviction.is_candidate(record)
+            record.node.id for record in self.records.values() if self.eviction.is_candidate(record)
         }
         leaves = {node.id for node in self.evictable_device_leaves}  # type: ignore[attr-defined]
         assert candidates == leaves, f"candidates {candidates} != SGLang's leaves {leaves}"
