@@ -141,7 +141,7 @@ def _with_common(fn):
     default="lru,cost,belady,vllm-stock",
     show_default=True,
     help="Arms, comma-separated: kvplug policies, vllm-stock, vllm-kvplug:<policy>, "
-    "sglang-stock:<policy>.",
+    "sglang-stock:<policy>, sglang-kvplug:<policy>.",
 )
 @click.option(
     "--trace-format",
@@ -267,7 +267,10 @@ def ab(
                   fmt=options["fmt"], quiet=options["quiet"], **server_options)  # fmt: skip
         return
     trace = load_trace(trace_source) if trace_source else read_trace(bundled_trace_path())
-    arms = ["cost", "lru", "belady", "vllm-stock", "vllm-kvplug:cost", "sglang-stock:lru"]
+    arms = [
+        "cost", "lru", "belady", "vllm-stock", "vllm-kvplug:cost", "sglang-stock:lru",
+        "sglang-kvplug:cost",
+    ]  # fmt: skip
     for engine in ("vllm", "sglang"):
         if importlib.util.find_spec(engine) is None and not options["quiet"]:
             click.echo(f"  note: {engine} is not installed; its stock arm is unavailable", err=True)

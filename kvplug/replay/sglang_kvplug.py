@@ -19,11 +19,19 @@ from kvplug.replay.sglang_stock import SGLangStockArm
 
 class SGLangKVPlugArm(SGLangStockArm):
     """SGLang's `UnifiedRadixCache` with ``capacity_blocks`` slots, evicting by kvplug's
-    policy `policy` (see the module doc)."""
+    policy `policy` with `policy_config` (see the module doc)."""
 
     arm_prefix = "sglang-kvplug"
 
-    def __init__(self, capacity_blocks: int, policy: str = "cost", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        capacity_blocks: int,
+        policy: str = "cost",
+        *,
+        policy_config: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.policy_config = dict(policy_config or {})
         super().__init__(capacity_blocks, policy, **kwargs)
 
     def _check_policy(self, policy: str) -> None:
@@ -32,7 +40,7 @@ class SGLangKVPlugArm(SGLangStockArm):
     def _build_cache(self, params: Any, policy: str) -> Any:
         from kvplug.sglang.backend import build_cache
 
-        return build_cache(params, KVPlugConfig(policy=policy))
+        return build_cache(params, KVPlugConfig(policy=policy, policy_config=self.policy_config))
 
 
 __all__ = ["SGLangKVPlugArm"]

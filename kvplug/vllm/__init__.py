@@ -16,8 +16,8 @@ and its own metrics.
 | module | owns |
 |---|---|
 | `scheduler` | the `Scheduler` factory, kvplug's config, the namespace salt, statistics |
-| `kv_cache_manager` | the one construction site: vLLM's manager over kvplug's pool, the policy attached |
-| `block_pool` | `KVPlugBlockPool` (vLLM's `BlockPool`) and `CachedBlock`, the eviction core's node |
+| `kv_cache_manager` | the one construction site: vLLM's manager over kvplug's pool |
+| `block_pool` | `KVPlugBlockPool` (vLLM's `BlockPool`), `CachedBlock` (the eviction core's node) |
 | `free_queue` | `PolicyFreeQueue`: vLLM's free-queue interface, fresh blocks then victims |
 | `stats` | `PoolStats`, metrics snapshots and the Prometheus collector |
 | `plugin` | the ``vllm.general_plugins`` entry point |
