@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
 from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -37,27 +38,34 @@ from kvplug.config import KVPlugConfig
 from kvplug.core.model_spec import ModelSpec, load_model, served_model
 from kvplug.errors import ConfigError
 from kvplug.sglang.components import kvplug_components
-from kvplug.sglang.namespace import RequestNamespace
-from kvplug.sglang.stats import CacheStats
+from kvplug.sglang.namespace import RequestNamespace, first_sight
+from kvplug.sglang.stats import CacheStats, PrometheusExporter
 from kvplug.sglang.strategy import PREFIX, load_config, policy_name
 from kvplug.sglang.version import check_private_names, check_sglang_version
 
 logger = logging.getLogger("sglang.kvplug")
 
 BACKEND = "kvplug"  # the name of both the radix-cache and the tree-core backend
+PUBLISH_INTERVAL_S = 0.25
 
 
 class KVPlugRadixCache(UnifiedRadixCache):
     """SGLang's `UnifiedRadixCache`; each request's keys carry kvplug's namespace, and
-    kvplug's counters are kept in ``kvplug_stats``."""
+    kvplug's counters (``kvplug_stats``, its tree core's) count each request once, at its
+    first match, and reach ``/metrics`` through ``kvplug_exporter`` when SGLang's metrics
+    are on (at most every `PUBLISH_INTERVAL_S`)."""
 
     kvplug_namespace: RequestNamespace | None = None
+    kvplug_model: ModelSpec | None = None
+    kvplug_exporter: PrometheusExporter | None = None
     kvplug_stats: CacheStats
+    _published_at = 0.0
 
     def match_prefix(self, params: Any) -> Any:
         req = params.req
+        first = req is not None and first_sight(req)
         namespace = self.kvplug_namespace
-        if req is not None and namespace is not None and namespace.apply(req):
+        if first and namespace is not None and namespace.apply(req):
             key = params.key
             params = dataclasses.replace(
                 params,
@@ -69,7 +77,29 @@ class KVPlugRadixCache(UnifiedRadixCache):
                     cache_salt=req.cache_salt,
                 ),
             )
-        return super().match_prefix(params)
+        result = super().match_prefix(params)
+        if first:
+            self._count_request(len(req.origin_input_ids), result.device_prefix_len)
+        return result
+
+    def _count_request(self, prompt: int, matched: int) -> None:
+        stats = self.kvplug_stats
+        stats.requests += 1
+        stats.prompt_tokens += prompt
+        stats.matched_tokens += matched
+        model = self.kvplug_model
+        if model is not None:
+            stats.prompt_flops += model.prefill_flops(0, prompt)
+            stats.saved_flops += model.prefill_flops(0, matched)
+        exporter = self.kvplug_exporter
+        now = time.monotonic()
+        if exporter is not None and now - self._published_at >= PUBLISH_INTERVAL_S:
+            self._published_at = now
+            pages = len(self.tree_core.records)
+            stats.cached_blocks = pages
+            if model is not None:
+                stats.bytes_held = int(pages * self.page_size * model.kv_bytes_per_token())
+            exporter.publish(stats)
 
 
 def apply_kvplug(params: Any, config: KVPlugConfig, model: ModelSpec | None = None) -> None:
@@ -100,10 +130,19 @@ def build_cache(params: Any, config: KVPlugConfig, model: ModelSpec | None = Non
     return cache
 
 
-def attach(cache: Any, config: KVPlugConfig, namespace: RequestNamespace | None = None) -> None:
-    """Give a built cache its namespace; its statistics are its tree core's."""
+def attach(
+    cache: Any,
+    config: KVPlugConfig,
+    namespace: RequestNamespace | None = None,
+    model: ModelSpec | None = None,
+    exporter: PrometheusExporter | None = None,
+) -> None:
+    """Give a built cache its namespace, model and exporter; its statistics are its tree
+    core's."""
     cache.kvplug_stats = cache.tree_core.stats
     cache.kvplug_namespace = namespace
+    cache.kvplug_model = model
+    cache.kvplug_exporter = exporter
 
 
 def server_config(params: Any, server_args: Any) -> KVPlugConfig:
@@ -167,7 +206,11 @@ def kvplug_radix_cache(ctx: Any) -> Any:
     model = served_model(ctx.model_config, str(getattr(ctx.model_config, "model_path", "")))
     apply_kvplug(params, config, model)
     cache = create_unified_radix_cache(ctx, cache_class=KVPlugRadixCache)
-    attach(cache, config, RequestNamespace.for_server(config, ctx.server_args, params))
+    exporter = None
+    if params.enable_metrics:
+        exporter = PrometheusExporter(str(getattr(ctx, "tp_rank", 0)), config.policy)
+    namespace = RequestNamespace.for_server(config, ctx.server_args, params)
+    attach(cache, config, namespace, model, exporter)
     components = "+".join(component.name for component in params.tree_components)
     logger.info(
         "kvplug is active: policy=%s %s, %d pages of %d tokens, components %s, tree core %s "

@@ -27,7 +27,15 @@ from kvplug.config import KVPlugConfig
 from kvplug.core.keys import namespace_salt
 
 TENANT_PARAM = "kvplug_tenant"
-SALTED = "kvplug_salted"  # set on a request once its namespace is applied
+SEEN = "kvplug_seen"  # set on a request once the cache has matched it
+
+
+def first_sight(req: Any) -> bool:
+    """True the first time the cache matches `req` (and marks it), False after."""
+    if getattr(req, SEEN, False):
+        return False
+    setattr(req, SEEN, True)
+    return True
 
 
 @dataclass(frozen=True)
@@ -66,11 +74,8 @@ class RequestNamespace:
         return str(custom.get(TENANT_PARAM, self.default_tenant))
 
     def apply(self, req: Any) -> bool:
-        """Fold the namespace into ``req.cache_salt`` unless done already; True if the
-        salt changed now (keys built from the request before must be rebuilt)."""
-        if getattr(req, SALTED, False):
-            return False
-        setattr(req, SALTED, True)
+        """Fold the namespace into ``req.cache_salt`` (once per request, at its
+        `first_sight`); True if the salt changed, so keys built before must be rebuilt."""
         tenant = self.tenant(req)
         if tenant == self.default_tenant and not self.exported:
             return False
