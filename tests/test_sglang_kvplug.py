@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="SGLang is not installed (see requirements/sglang-replay.txt)")
 
+from arm_ops import operations, prefix_sets  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -84,19 +85,7 @@ def test_locked_prefix_is_never_a_candidate() -> None:
     assert sequential(arm, 5, [1, 2, 3]) == 3
 
 
-# Operations as in tests/test_sglang_stock.py: ("admit", prefix, cut, tail, sentinel),
-# ("grow", pick, n), ("finish", pick).
-admit_ops = st.tuples(
-    st.just("admit"),
-    st.integers(0, 2),
-    st.integers(1, 8),
-    st.lists(st.integers(0, 5), max_size=3),
-    st.booleans(),
-)
-grow_ops = st.tuples(st.just("grow"), st.integers(0, 7), st.integers(1, 3))
-finish_ops = st.tuples(st.just("finish"), st.integers(0, 7))
-operations = st.lists(st.one_of(admit_ops, admit_ops, grow_ops, finish_ops), max_size=40)
-prefix_sets = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=8), min_size=1, max_size=3)
+# Operations: see tests/arm_ops.py.
 
 
 def run_ops(arms: list[SGLangStockArm], prefixes: list[list[int]], ops: list[tuple]) -> None:

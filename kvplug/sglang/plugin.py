@@ -13,17 +13,14 @@ SGLang gets a warning here; the error comes from the backend, when selected.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 logger = logging.getLogger("sglang.kvplug")
-_registered = False
 
 
+@functools.cache  # SGLang loads plugins once per process; a second call changes nothing
 def register() -> None:
-    global _registered
-    if _registered:
-        return
-    _registered = True
     from kvplug.sglang.version import SGLANG, check_private_names, installed_sglang_version
 
     problem = SGLANG.problem(installed_sglang_version())
