@@ -12,6 +12,8 @@ them:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from hypothesis import strategies as st
 
 admit_ops = st.tuples(
@@ -25,3 +27,13 @@ grow_ops = st.tuples(st.just("grow"), st.integers(0, 7), st.integers(1, 3))
 finish_ops = st.tuples(st.just("finish"), st.integers(0, 7))
 operations = st.lists(st.one_of(admit_ops, admit_ops, grow_ops, finish_ops), max_size=40)
 prefix_sets = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=8), min_size=1, max_size=3)
+
+
+def admit_request(op: tuple, prefixes: list[list[int]], fresh: Iterator[int]) -> tuple[list, int]:
+    """(prompt, compute) of an ``admit`` operation, as the module doc says."""
+    _, which, cut, tail, sentinel = op
+    prompt = prefixes[which % len(prefixes)][:cut] + tail
+    compute = len(prompt)
+    if sentinel:
+        prompt.append(next(fresh))
+    return prompt, compute

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="SGLang is not installed (see requirements/sglang-replay.txt)")
 
-from arm_ops import operations, prefix_sets  # noqa: E402
+from arm_ops import admit_request, operations, prefix_sets  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -94,11 +94,7 @@ def run_ops(arms: list[SGLangStockArm], prefixes: list[list[int]], ops: list[tup
     running: list[int] = []
     for req_id, op in enumerate(ops):
         if op[0] == "admit":
-            _, which, cut, tail, sentinel = op
-            prompt = prefixes[which % len(prefixes)][:cut] + tail
-            compute = len(prompt)
-            if sentinel:
-                prompt.append(next(fresh))
+            prompt, compute = admit_request(op, prefixes, fresh)
             results = [arm.admit(req_id, prompt, compute) for arm in arms]
             if results[0] is not None:
                 running.append(req_id)

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="SGLang is not installed (see requirements/sglang-replay.txt)")
 
-from arm_ops import operations, prefix_sets  # noqa: E402
+from arm_ops import admit_request, operations, prefix_sets  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
@@ -179,11 +179,7 @@ def check_invariants_through(
     evictions = 0
     for req_id, op in enumerate(ops):
         if op[0] == "admit":
-            _, which, cut, tail, sentinel = op
-            prompt = prefixes[which % len(prefixes)][:cut] + tail
-            compute = len(prompt)
-            if sentinel:
-                prompt.append(next(fresh))
+            prompt, compute = admit_request(op, prefixes, fresh)
             hits = arm.admit(req_id, prompt, compute)
             if hits is not None:
                 assert 0 <= hits <= len(prompt) - 1  # SGLang never matches the last token
