@@ -158,7 +158,6 @@ def sglang_command(
         "--enable-metrics",
         "--enable-cache-report",
         "--disable-cuda-graph",
-        "--skip-server-warmup",
     ]  # fmt: skip
     if cpu:
         command += ["--device", "cpu", "--attention-backend", "torch_native"]
