@@ -16,7 +16,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import (
@@ -32,6 +32,10 @@ from pydantic_core import ErrorDetails
 from kvplug import policies
 from kvplug.core.keys import DEFAULT_HASH, HASH_ALGORITHMS
 from kvplug.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvplug.core.model_spec import ModelSpec
+    from kvplug.policies.base import EvictionPolicy
 
 ENV_VAR = "KVPLUG_CONFIG"
 WRAPPER_KEY = "kvplug"  # engines pass additional_config={"kvplug": {...}}
@@ -173,6 +177,25 @@ class KVPlugConfig(BaseModel):
             raise ConfigError(_join(problems, where)) from None
 
 
+OFFLINE_POLICIES = {"belady": "it needs every request in advance (use it in kvplug replay)"}
+
+
+def build_policy(config: KVPlugConfig, model: ModelSpec) -> EvictionPolicy:
+    """The policy an engine adapter serves with: `config`'s policy and parameters, with
+    the served `model` for ``cost`` unless the config names one. Offline-only policies
+    are refused, naming those a server accepts."""
+    if config.policy in OFFLINE_POLICIES:
+        online = [name for name in policies.available_policies() if name not in OFFLINE_POLICIES]
+        raise ConfigError(
+            f"kvplug config: policy {config.policy!r} cannot run in a server: "
+            f"{OFFLINE_POLICIES[config.policy]}; accepted here: {', '.join(online)}"
+        )
+    params = dict(config.policy_config)
+    if config.policy == "cost" and "model" not in params:
+        params["model"] = model
+    return policies.make_policy(config.policy, **params)
+
+
 # -- messages --------------------------------------------------------------------------
 
 
@@ -311,4 +334,4 @@ def _yaml_where(exc: yaml.YAMLError) -> str:
     return f": {exc}"
 
 
-__all__ = ["ENV_VAR", "KVPlugConfig", "NamespaceConfig"]
+__all__ = ["ENV_VAR", "OFFLINE_POLICIES", "KVPlugConfig", "NamespaceConfig", "build_policy"]

@@ -35,4 +35,11 @@ ensure_sglang_env() {
     _pip .venv-sglang -r requirements/sglang-replay.txt
     _pip .venv-sglang --no-deps sglang==0.5.23
   fi
+  # SGLang's HTTP server on the CPU (tests/test_sglang_server.py, kvplug ab --engine sglang)
+  if ! .venv-sglang/bin/python -c 'import fastapi, uvicorn, uvloop, xgrammar, soundfile' \
+      2>/dev/null; then
+    _pip .venv-sglang -r requirements/sglang-server.txt
+  fi
+  # Refresh kvplug's own metadata (entry points: SGLang finds kvplug's plugin through them)
+  _pip .venv-sglang --no-deps -e .
 }

@@ -29,10 +29,18 @@ from kvplug.serving.ab import (
     stock_arm,
 )
 from kvplug.serving.client import SKIPPED, RequestResult, StreamState, request_body
+from kvplug.serving.engines import SGLANG, VLLM, ServerBudget, sglang_command, sglang_kvplug_args
 from kvplug.serving.metrics import parse_metrics
 from kvplug.serving.report import ROWS, plot, render, table
 from kvplug.serving.server import Server, ServerError, free_port, vllm_command
-from kvplug.serving.stats import ArmSummary, percentile, request_compute_saved, summarize
+from kvplug.serving.stats import (
+    ArmSummary,
+    combine,
+    percentile,
+    request_compute_saved,
+    spread,
+    summarize,
+)
 from kvplug.serving.workload import (
     ASSISTANT_LABEL,
     MESSAGE_TOKENS,
@@ -319,6 +327,46 @@ def test_vllm_command_and_arms() -> None:
     assert extra[-4:] == list(arm.extra_args)
 
 
+def test_sglang_command_and_arms() -> None:
+    argv = sglang_command("/models/tiny", 1234, max_total_tokens=2048, context_length=1024,
+                          cpu=True)  # fmt: skip
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    text = " ".join(argv)
+    for part in ("--model-path /models/tiny", "--host 127.0.0.1", "--port 1234",
+                 "--max-total-tokens 2048", "--context-length 1024", "--random-seed 0",
+                 "--enable-metrics", "--enable-cache-report", "--device cpu",
+                 "--attention-backend torch_native"):  # fmt: skip
+        assert part in text
+    assert "--device" not in sglang_command("/m", 1, max_total_tokens=64, context_length=32,
+                                            cpu=False)  # fmt: skip
+    budget = ServerBudget(Path("/m"), 7, num_blocks=64, block_size=32, max_model_len=2016)
+    assert "--max-total-tokens 2048" in " ".join(SGLANG.command(budget, ()))
+    assert "--num-gpu-blocks-override 64" in " ".join(VLLM.command(budget, ()))
+    assert SGLANG.stock_arm().name == "sglang-stock" and SGLANG.stock_arm().extra_args == ()
+    arm = SGLANG.kvplug_arm({"policy": "lru", "policy_config": {"x": 1}})
+    assert arm.name == "kvplug" and arm.requires == "kvplug.sglang"
+    assert arm.extra_args[:4] == ("--radix-cache-backend", "kvplug",
+                                  "--radix-eviction-policy", "kvplug-lru")  # fmt: skip
+    assert json.loads(arm.extra_args[5]) == {"policy_config": {"x": 1}}
+    assert sglang_kvplug_args() == ("--radix-cache-backend", "kvplug",
+                                    "--radix-eviction-policy", "kvplug-cost")  # fmt: skip
+    assert VLLM.kvplug_arm({"policy": "lru"}).extra_args == kvplug_arm({"policy": "lru"}).extra_args
+
+
+def test_repeated_runs_combine_to_medians_with_their_spread() -> None:
+    figures = ((10, 0.03, 1.0), (30, 0.01, 3.0), (20, 0.02, 2.0))  # cached, TTFT, wall
+    runs = [summarize("kvplug", [_result(0, 100, c, t)], w, SPEC) for c, t, w in figures]
+    runs.append(ArmSummary("kvplug", available=False, note="the server died"))
+    out = combine(runs)
+    assert out.available and out.runs == runs
+    assert out.cached_tokens == 20 and isinstance(out.cached_tokens, int)
+    assert out.ttft_p50_ms == pytest.approx(20.0) and out.duration_s == 2.0
+    assert spread(out, lambda a: a.cached_token_ratio) == (0.1, 0.3)
+    assert out.note == "1 of 4 runs failed: the server died"
+    none_ran = combine([ArmSummary("x", available=False, note="n")] * 2)
+    assert not none_ran.available and none_ran.note == "n"
+
+
 def test_max_model_len_follows_blocks_and_model(tmp_path) -> None:
     model = _model_dir(tmp_path)
     assert model_max_positions(model) == 4096
@@ -509,6 +557,29 @@ def test_run_ab_against_a_fake_server(tmp_path) -> None:
     assert "unavailable" in table(result)
 
 
+@pytest.mark.skipif(not installed("aiohttp"), reason="needs aiohttp (the vllm extra)")
+def test_run_ab_repeats_each_arm_interleaved(tmp_path) -> None:
+    script = _fake_server(tmp_path)
+    order: list[str] = []
+
+    def command(config: ABConfig, arm: Arm, port: int, max_model_len: int) -> list[str]:
+        order.append(arm.name)
+        return [sys.executable, str(script), str(port), str(tmp_path / f"{arm.name}.pid")]
+
+    config = ABConfig(_model_dir(tmp_path), workload="mixed", requests=6, concurrency=2,
+                      num_blocks=64, log_dir=tmp_path / "logs", repeat=3)  # fmt: skip
+    result = run_ab(config, [stock_arm(), Arm("other")], command=command)
+    assert order == ["vllm-stock", "other"] * 3
+    stock, other = result.arms
+    assert len(stock.runs) == len(other.runs) == 3 and stock.succeeded == 6
+    assert (tmp_path / "logs" / "vllm-stock#3.log").exists()
+    text = table(result)
+    assert "each arm run 3 times, interleaved: median [min-max]" in text
+    assert result.as_dict()["repeat"] == 3 and len(result.as_dict()["arms"][0]["runs"]) == 3
+    plot(result, tmp_path / "ab.png")
+    assert (tmp_path / "ab.png").stat().st_size > 0
+
+
 def test_run_ab_refuses_a_workload_that_does_not_fit(tmp_path) -> None:
     config = ABConfig(_model_dir(tmp_path), workload="system-prompts", requests=4, num_blocks=4)
     with pytest.raises(ConfigError, match="raise --num-blocks"):
@@ -552,7 +623,13 @@ def test_ab_vllm_rejects_bad_options(tmp_path) -> None:
     result = _ab("--engine", "vllm", "--model", model, "--num-blocks", "1")
     assert result.exit_code == 2 and "--num-blocks" in result.output and ">=2" in result.output
     result = _ab("--engine", "gpu")
-    assert result.exit_code == 2 and "'gpu' is not one of 'replay', 'vllm'" in result.output
+    assert (
+        result.exit_code == 2 and "'gpu' is not one of 'replay', 'vllm', 'sglang'" in result.output
+    )
+    result = _ab("--engine", "sglang")
+    assert result.exit_code == 2 and "--engine sglang needs --model DIR" in result.output
+    result = _ab("--repeat", "3")
+    assert result.exit_code == 2 and "--repeat does not apply to --engine replay" in result.output
     result = _ab("--workload", "mixed")
     assert result.exit_code == 2 and "--workload does not apply to --engine replay" in result.output
 

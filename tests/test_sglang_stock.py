@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="SGLang is not installed (see requirements/sglang-replay.txt)")
 
+from arm_ops import admit_request, operations, prefix_sets  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
@@ -144,23 +145,7 @@ def test_other_sglang_version_is_unavailable(monkeypatch: pytest.MonkeyPatch) ->
         SGLangStockArm(8)
 
 
-# Operations, interpreted by `check_invariants_through`:
-#   ("admit", prefix, cut, tail, sentinel): prompt = prefixes[prefix][:cut] + tail, then
-#       either a fresh sentinel and compute = len(prompt) - 1 (sequential replay) or no
-#       sentinel and compute = len(prompt) (realistic replay);
-#   ("grow", pick, n): n fresh decode units for running request number `pick`;
-#   ("finish", pick): finish running request number `pick`.
-admit_ops = st.tuples(
-    st.just("admit"),
-    st.integers(0, 2),
-    st.integers(1, 8),
-    st.lists(st.integers(0, 5), max_size=3),
-    st.booleans(),
-)
-grow_ops = st.tuples(st.just("grow"), st.integers(0, 7), st.integers(1, 3))
-finish_ops = st.tuples(st.just("finish"), st.integers(0, 7))
-operations = st.lists(st.one_of(admit_ops, admit_ops, grow_ops, finish_ops), max_size=40)
-prefix_sets = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=8), min_size=1, max_size=3)
+# Operations: see tests/arm_ops.py.
 
 
 def check_slots(arm: SGLangStockArm) -> None:
@@ -194,11 +179,7 @@ def check_invariants_through(
     evictions = 0
     for req_id, op in enumerate(ops):
         if op[0] == "admit":
-            _, which, cut, tail, sentinel = op
-            prompt = prefixes[which % len(prefixes)][:cut] + tail
-            compute = len(prompt)
-            if sentinel:
-                prompt.append(next(fresh))
+            prompt, compute = admit_request(op, prefixes, fresh)
             hits = arm.admit(req_id, prompt, compute)
             if hits is not None:
                 assert 0 <= hits <= len(prompt) - 1  # SGLang never matches the last token

@@ -9,7 +9,7 @@ every one of them shares is the eviction core.
 | `keys` | `Namespace`, `MMFeature` and chained block keys ``H(parent, tokens, extras)`` |
 | `pool` | physical blocks, `BlockState`, reference counts, the O(1) free queue |
 | `index` | the radix tree over block keys, one tree per namespace; matches verify tokens |
-| `eviction` | `EvictionCore`: the exact set of evictable leaves and the next victim |
+| `eviction` | `EvictionCore`: the exact evictable leaves and the next victim, for every adapter |
 | `prefix_cache` | `PrefixCache`: lookups, publication and eviction order over the index |
 | `fences` | `StepClock`: steps, fences, writes and releases that wait for a fence |
 | `cache` | `KVCache`, the one mutating facade: tables, append, fork (copy-on-write), finish |

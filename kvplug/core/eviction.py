@@ -108,6 +108,26 @@ class EvictionCore(Generic[N]):
                 self.policy.add_candidate(parent)
         self.policy.remove(node)
 
+    def split(self, upper: N, lower: N) -> None:
+        """An engine that stores several blocks in one node (SGLang's radix tree) split
+        `lower`: `upper`, new, now holds its first part and takes its place below its
+        parent, and `lower` hangs below `upper`. `upper` inherits `lower`'s hits and,
+        if `lower` is evictable, is released too (ranked now); it is never a candidate
+        while `lower` is cached. The parent's child count does not change."""
+        parent = live_parent(lower)
+        upper.parent = parent
+        upper.parent_serial = -1 if parent is None else parent.serial
+        upper.cached_children = 1
+        upper.evictable = False
+        upper.hits = lower.hits
+        self.policy.insert(upper)
+        lower.parent = upper
+        lower.parent_serial = upper.serial
+        if lower.evictable:
+            self.policy.release(upper)
+            upper.evictable = True
+            self.num_evictable += 1
+
     def next_victim(self) -> N | None:
         """The candidate the policy evicts first, or None. Changes nothing."""
         victims = self.policy.choose_victims(1)

@@ -109,3 +109,10 @@ def block_extras(features: Sequence[MMFeature], start: int, end: int) -> tuple[s
     """The extras of the block covering token positions ``[start, end)``: the digest and
     relative offset of every multimodal feature that overlaps it."""
     return tuple(f"{f.digest}@{f.offset - start}" for f in features if f.overlaps(start, end))
+
+
+def namespace_salt(parts: Sequence[str]) -> str:
+    """The salt an engine adapter folds into a request's prefix keys: one digest of the
+    namespace `parts` (model, revision, tokenizer, tenant, the request's own salt, in a
+    fixed order), so requests that differ in any part share no cached state."""
+    return "kvplug:" + xxhash.xxh3_128_hexdigest(encode_fields(parts))

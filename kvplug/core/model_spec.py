@@ -17,6 +17,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from kvplug.errors import ConfigError
 
@@ -140,6 +141,16 @@ PRESETS: dict[str, ModelSpec] = {
     )
 }
 DEFAULT_MODEL = "llama-3.1-8b"
+
+
+def served_model(model_config: Any, name: str) -> ModelSpec:
+    """The shape of the model an engine serves, from its config object's
+    ``hf_text_config`` (vLLM's and SGLang's model configs both have one); the default
+    preset if that cannot be read, since FLOPs estimates then only rank blocks."""
+    try:
+        return ModelSpec.from_hf_config(model_config.hf_text_config.to_dict(), name=name)
+    except Exception:  # an architecture kvplug cannot read
+        return load_model(None)
 
 
 def load_model(source: str | Path | None) -> ModelSpec:

@@ -167,7 +167,7 @@ def _with_common(fn):
     default="lru,cost,belady,vllm-stock",
     show_default=True,
     help="Arms, comma-separated: kvplug policies, vllm-stock, vllm-kvplug:<policy>, "
-    "sglang-stock:<policy>.",
+    "sglang-stock:<policy>, sglang-kvplug:<policy>.",
 )
 @click.option(
     "--trace-format",
@@ -258,17 +258,18 @@ def _names(text: str) -> list[str]:
 # `ab` options for each engine; giving one to the other engine is an error.
 _REPLAY_ONLY = ("trace_source", "sequential", "capacity_blocks", "capacity_fractions",
                 "prefill_tps", "decode_tps")  # fmt: skip
-_VLLM_ONLY = ("workload", "num_blocks", "requests", "concurrency", "kvplug_config", "json_path")
+_SERVER_ONLY = ("workload", "num_blocks", "requests", "concurrency", "kvplug_config", "json_path",
+                "repeat")  # fmt: skip
 
 
 @click.command()
 @click.option(
     "--engine",
-    type=click.Choice(["replay", "vllm"]),
+    type=click.Choice(["replay", "vllm", "sglang"]),
     default="replay",
     show_default=True,
-    help="replay: the trace replay. vllm: a stock vLLM server against a kvplug one, over "
-    "HTTP (needs vllm installed and --model DIR).",
+    help="replay: the trace replay. vllm, sglang: a stock server of that engine against a "
+    "kvplug one, over HTTP (needs the engine installed and --model DIR).",
 )
 @click.option(
     "--trace",
@@ -280,42 +281,53 @@ _VLLM_ONLY = ("workload", "num_blocks", "requests", "concurrency", "kvplug_confi
     "--plot",
     "plot_path",
     default=None,
-    help="Default: kvplug-ab.png (replay), kvplug-ab-vllm.png (vllm).",
+    help="Default: kvplug-ab.png (replay), kvplug-ab-ENGINE.png (vllm, sglang).",
 )
 @click.option(
     "--workload",
     type=click.Choice(WORKLOADS),
     default="mixed",
     show_default=True,
-    help="vllm: the requests sent.",
+    help="vllm, sglang: the requests sent.",
 )
 @click.option(
     "--num-blocks",
     type=click.IntRange(min=2),
     default=128,
     show_default=True,
-    help="vllm: KV blocks per server.",
+    help="vllm, sglang: KV blocks of 32 tokens per server (sglang: --max-total-tokens of "
+    "32 tokens a block).",
 )
 @click.option(
     "--requests",
     type=click.IntRange(min=1),
     default=400,
     show_default=True,
-    help="vllm: requests per arm.",
+    help="vllm, sglang: requests per arm.",
 )
 @click.option(
     "--concurrency",
     type=click.IntRange(min=1),
     default=8,
     show_default=True,
-    help="vllm: most requests in flight (a chat keeps its slot between turns).",
+    help="vllm, sglang: most requests in flight (a chat keeps its slot between turns).",
+)
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="vllm, sglang: runs per arm, interleaved (stock, kvplug, stock, ...); the table "
+    "shows the median and [min-max].",
 )
 @click.option(
     "--kvplug-config",
     default=None,
-    help='vllm: the kvplug arm\'s settings, a JSON object such as \'{"policy": "cost"}\'.',
+    help='vllm, sglang: the kvplug arm\'s settings, a JSON object such as \'{"policy": "cost"}\'.',
 )
-@click.option("--json", "json_path", default=None, help="vllm: also write the results here.")
+@click.option(
+    "--json", "json_path", default=None, help="vllm, sglang: also write the results here."
+)
 @_with_common
 @click.pass_context
 def ab(
@@ -325,28 +337,33 @@ def ab(
     stock cache (vLLM's KVCacheManager, SGLang's radix cache), on one trace, at several
     cache sizes. Stock arms whose engine is not installed are reported as unavailable.
 
-    With --engine vllm: a stock vLLM server, then a kvplug one (--scheduler-cls
-    kvplug.vllm.Scheduler), on the same model, KV budget and workload; TTFT, throughput,
-    cached tokens and saved prefill compute side by side."""
-    other = _REPLAY_ONLY if engine == "vllm" else _VLLM_ONLY
+    With --engine vllm or sglang: a stock server, then a kvplug one (vLLM: --scheduler-cls
+    kvplug.vllm.Scheduler; SGLang: --radix-cache-backend kvplug), on the same model, KV
+    budget and workload; TTFT, throughput, cached tokens and saved prefill compute side by
+    side."""
+    server = engine != "replay"
+    other = _REPLAY_ONLY if server else _SERVER_ONLY
     for name in other:
         if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
             flag = next(p.opts[0] for p in ctx.command.params if p.name == name)
             raise click.UsageError(f"{flag} does not apply to --engine {engine}")
-    vllm_options = {name: options.pop(name) for name in _VLLM_ONLY}
-    if engine == "vllm":
-        from kvplug.serving.cli import vllm_ab
+    server_options = {name: options.pop(name) for name in _SERVER_ONLY}
+    if server:
+        from kvplug.serving.cli import server_ab
 
         if ctx.get_parameter_source("model") is click.core.ParameterSource.DEFAULT:
             raise click.UsageError(
-                "--engine vllm needs --model DIR, a Hugging Face model directory "
+                f"--engine {engine} needs --model DIR, a Hugging Face model directory "
                 "(config.json, weights, tokenizer)"
             )
-        vllm_ab(model=options["model"], plot_path=plot_path, fmt=options["fmt"],
-                quiet=options["quiet"], **vllm_options)  # fmt: skip
+        server_ab(engine=engine, model=options["model"], plot_path=plot_path,
+                  fmt=options["fmt"], quiet=options["quiet"], **server_options)  # fmt: skip
         return
     trace = load_trace(trace_source) if trace_source else read_trace(bundled_trace_path())
-    arms = ["cost", "lru", "belady", "vllm-stock", "vllm-kvplug:cost", "sglang-stock:lru"]
+    arms = [
+        "cost", "lru", "belady", "vllm-stock", "vllm-kvplug:cost", "sglang-stock:lru",
+        "sglang-kvplug:cost",
+    ]  # fmt: skip
     for engine in ("vllm", "sglang"):
         if importlib.util.find_spec(engine) is None and not options["quiet"]:
             click.echo(f"  note: {engine} is not installed; its stock arm is unavailable", err=True)

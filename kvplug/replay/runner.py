@@ -3,7 +3,9 @@
 Arm names: any registered kvplug policy (``lru``, ``cost``, ``belady``, ...), ``vllm-stock``
 (vLLM's own KVCacheManager), ``vllm-kvplug:<policy>`` (that same manager with kvplug's
 block pool, as ``--scheduler-cls kvplug.vllm.Scheduler`` builds it; any online policy) and
-``sglang-stock:<policy>`` (SGLang's own radix cache with its eviction policy ``<policy>``).
+``sglang-stock:<policy>`` (SGLang's own radix cache with its eviction policy ``<policy>``)
+and ``sglang-kvplug:<policy>`` (that same cache with kvplug's policy, as
+``--radix-cache-backend kvplug`` builds it; any online policy).
 An arm whose engine is not installed is reported as unavailable, never replaced by
 something else.
 """
@@ -25,7 +27,7 @@ from kvplug.replay.loop import Job, Timing, make_jobs, replay
 from kvplug.replay.trace import Trace
 
 STOCK_ARMS = ("vllm-stock", "sglang-stock")
-ENGINE_ARMS = ("vllm-kvplug",)  # kvplug's pool inside an engine's own cache manager
+ENGINE_ARMS = ("vllm-kvplug", "sglang-kvplug")  # kvplug's policy inside an engine's cache
 
 
 @dataclass
@@ -61,7 +63,7 @@ def check_arm_names(names: list[str]) -> None:
             continue
         raise UnknownPolicyError(
             f"unknown arm {name!r}; accepted: {', '.join(known)}, vllm-stock, "
-            "sglang-stock:<policy>, vllm-kvplug:<kvplug policy>"
+            "sglang-stock:<policy>, vllm-kvplug:<kvplug policy>, sglang-kvplug:<kvplug policy>"
         )
 
 
@@ -84,6 +86,12 @@ def build_arm(
         from kvplug.replay.vllm_stock import VLLMStockArm
 
         return VLLMStockArm(capacity, policy=arm_policy(name.partition(":")[2], block_tokens))
+    if name.startswith("sglang-kvplug:"):
+        from kvplug.replay.sglang_kvplug import SGLangKVPlugArm
+
+        policy = name.partition(":")[2]
+        params = {"tokens_per_block": block_tokens} if policy in ("cost", "gdsf") else {}
+        return SGLangKVPlugArm(capacity, policy, policy_config=params)
     if name.startswith("sglang-stock"):
         from kvplug.replay.sglang_stock import SGLangStockArm
 

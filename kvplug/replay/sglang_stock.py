@@ -126,11 +126,7 @@ class SGLangStockArm(CacheArm):
         max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
     ) -> None:
         _check_sglang()
-        if policy.lower() not in sglang_policies():
-            raise UnknownPolicyError(
-                f"unknown SGLang eviction policy {policy!r}; SGLang "
-                f"{SUPPORTED_SGLANG_VERSION} accepts: {', '.join(sglang_policies())}"
-            )
+        self._check_policy(policy)
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         if max_running_requests < 1:
@@ -140,9 +136,8 @@ class SGLangStockArm(CacheArm):
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
         from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-        self.name = f"sglang-stock:{policy}"
+        self.name = f"{self.arm_prefix}:{policy}"
         self.capacity_blocks = capacity_blocks
         self._context = _scheduler_context()
         _check_native_hash()
@@ -158,7 +153,7 @@ class SGLangStockArm(CacheArm):
                 device="cpu",
                 enable_memory_saver=False,
             )
-            self.cache = UnifiedRadixCache(
+            self.cache = self._build_cache(
                 CacheInitParams(
                     disable=False,
                     req_to_token_pool=self.req_to_token_pool,
@@ -168,7 +163,8 @@ class SGLangStockArm(CacheArm):
                     enable_kv_cache_events=True,
                     tree_components=(ComponentType.FULL,),
                     tree_core_backend="python",
-                )
+                ),
+                policy,
             )
         self.requests: dict[int, Req] = {}
         # The cached units as SGLang's events name them: a unit's block hash chains its
@@ -178,6 +174,21 @@ class SGLangStockArm(CacheArm):
         self._hits: dict[int, int] = {}  # block hash -> successful lookups since stored
         self._evictions = 0
         self._churn = 0
+
+    arm_prefix = "sglang-stock"
+
+    def _check_policy(self, policy: str) -> None:
+        if policy.lower() not in sglang_policies():
+            raise UnknownPolicyError(
+                f"unknown SGLang eviction policy {policy!r}; SGLang "
+                f"{SUPPORTED_SGLANG_VERSION} accepts: {', '.join(sglang_policies())}"
+            )
+
+    def _build_cache(self, params: Any, policy: str) -> Any:
+        """SGLang's `UnifiedRadixCache` from `params` (its pools built already)."""
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        return UnifiedRadixCache(params)
 
     def admit(self, req_id: int, prompt: list[int], compute: int) -> int | None:
         from sglang.srt.managers.schedule_batch import Req

@@ -1,17 +1,18 @@
 """The server A/B: each arm's server in turn, same model, KV budget and workload.
 
-An `Arm` is a name and the extra server arguments that make it what it is: none for
-stock vLLM; ``--scheduler-cls kvplug.vllm.Scheduler`` (and ``--additional-config``) for
-kvplug. `run_ab` builds the seeded workload once, then for each arm starts a server on a
-free port, sends one warm-up request, drives the workload, scrapes ``/metrics`` before and
-after, stops the server, and summarizes. An arm whose module is not importable, or whose
-server fails, is reported as unavailable with the reason; it never aborts the other arms.
+An `Arm` is a name and the extra server arguments that make it what it is: none for the
+stock engine; the engine's kvplug switch for kvplug (`kvplug.serving.engines`). `run_ab`
+builds the seeded workload once, then, `repeat` times over, for each arm in turn (so the
+arms' runs interleave) starts a server on a free port, sends one warm-up request, drives
+the workload, scrapes ``/metrics`` before and after, stops the server, and summarizes.
+Each arm's runs are then combined: the median of each figure, with every run kept for the
+spread. An arm whose module is not importable, or whose server fails, is reported as
+unavailable with the reason; it never aborts the other arms.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import signal
 import sys
@@ -25,50 +26,38 @@ from pathlib import Path
 from kvplug.core.model_spec import ModelSpec, load_model
 from kvplug.errors import ConfigError
 from kvplug.serving.client import run_workload, warm_up
-from kvplug.serving.metrics import Metrics, parse_metrics
-from kvplug.serving.server import Server, ServerError, free_port, vllm_command
-from kvplug.serving.stats import ArmSummary, summarize
+from kvplug.serving.engines import (
+    ENGINES,
+    KVPLUG,
+    KVPLUG_SCHEDULER,
+    VLLM,
+    Arm,
+    Engine,
+    ServerBudget,
+    vllm_kvplug_args,
+)
+from kvplug.serving.metrics import Metrics, PrefixCounters, parse_metrics
+from kvplug.serving.server import Server, ServerError, free_port
+from kvplug.serving.stats import ArmSummary, combine, summarize
 from kvplug.serving.tokens import load_token_counter
 from kvplug.serving.workload import Workload, build_workload
 
-STOCK = "vllm-stock"
-KVPLUG = "kvplug"
-KVPLUG_SCHEDULER = "kvplug.vllm.Scheduler"
+__all__ = ["KVPLUG", "Arm", "ABConfig", "ABResult", "run_ab", "stock_arm", "kvplug_arm"]
+
 DEFAULT_MAX_MODEL_LEN = 4096  # when config.json names no max_position_embeddings
 
 Progress = Callable[[str], None]
 
 
-@dataclass(frozen=True)
-class Arm:
-    """A server configuration: `extra_args` are added to the common vLLM command line;
-    `requires` names a module that must be importable for the arm to run."""
-
-    name: str
-    extra_args: tuple[str, ...] = ()
-    requires: str | None = None
-
-    def missing(self) -> str | None:
-        """Why the arm cannot run here, or None."""
-        if self.requires is None:
-            return None
-        try:
-            found = importlib.util.find_spec(self.requires) is not None
-        except (ImportError, ValueError):
-            found = False
-        return None if found else f"{self.requires} is not importable"
-
-
-def stock_arm() -> Arm:
-    return Arm(STOCK)
+def stock_arm(engine: Engine = VLLM) -> Arm:
+    return engine.stock_arm()
 
 
 def kvplug_arm(config: dict | None = None, scheduler_cls: str = KVPLUG_SCHEDULER) -> Arm:
     """vLLM with kvplug's scheduler; `config` goes to ``--additional-config`` as
-    ``{"kvplug": config}`` (e.g. ``{"policy": "cost"}``)."""
-    args: tuple[str, ...] = ("--scheduler-cls", scheduler_cls)
-    if config:
-        args += ("--additional-config", json.dumps({"kvplug": config}))
+    ``{"kvplug": config}`` (e.g. ``{"policy": "cost"}``). Other engines:
+    `Engine.kvplug_arm`."""
+    args = vllm_kvplug_args(config, scheduler_cls)
     return Arm(KVPLUG, args, requires=scheduler_cls.rpartition(".")[0])
 
 
@@ -85,6 +74,17 @@ class ABConfig:
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 300.0
     log_dir: Path | None = None  # default: a new temporary directory
+    engine: str = VLLM.name  # a key of `kvplug.serving.engines.ENGINES`
+    repeat: int = 1  # runs per arm, interleaved across arms
+
+    @property
+    def server_engine(self) -> Engine:
+        try:
+            return ENGINES[self.engine]
+        except KeyError:
+            raise ConfigError(
+                f"unknown engine {self.engine!r}; expected one of {', '.join(ENGINES)}"
+            ) from None
 
     def resolved_max_model_len(self) -> int:
         if self.max_model_len is not None:
@@ -114,6 +114,8 @@ class ABResult:
             "block_size": self.config.block_size,
             "max_model_len": self.max_model_len,
             "seed": self.config.seed,
+            "engine": self.config.engine,
+            "repeat": self.config.repeat,
             "tokenizer": self.tokenizer,
             "cost_model": self.cost_model.as_dict(),
             "seconds": self.seconds,
@@ -134,17 +136,12 @@ def model_max_positions(model: Path) -> int:
 CommandFactory = Callable[[ABConfig, Arm, int, int], list[str]]
 
 
-def vllm_arm_command(config: ABConfig, arm: Arm, port: int, max_model_len: int) -> list[str]:
-    """The vLLM server command line of `arm` under `config`."""
-    return vllm_command(
-        config.model,
-        port,
-        num_blocks=config.num_blocks,
-        max_model_len=max_model_len,
-        block_size=config.block_size,
-        seed=config.seed,
-        extra_args=arm.extra_args,
+def engine_arm_command(config: ABConfig, arm: Arm, port: int, max_model_len: int) -> list[str]:
+    """The server command line of `arm` under `config`, for `config`'s engine."""
+    budget = ServerBudget(
+        config.model, port, config.num_blocks, config.block_size, max_model_len, config.seed
     )
+    return config.server_engine.command(budget, arm.extra_args)
 
 
 def run_ab(
@@ -152,13 +149,15 @@ def run_ab(
     arms: Sequence[Arm],
     *,
     progress: Progress | None = None,
-    command: CommandFactory = vllm_arm_command,
+    command: CommandFactory = engine_arm_command,
 ) -> ABResult:
-    """Run every arm in turn (one server at a time) and summarize each."""
+    """Run every arm in turn (one server at a time), `config.repeat` rounds, and
+    summarize each arm over its runs (`combine`)."""
     say = progress or (lambda message: None)
     started = time.monotonic()
-    if config.num_blocks < 2 or config.requests < 1 or config.concurrency < 1:
-        raise ConfigError("num_blocks must be >= 2, requests and concurrency >= 1")
+    if config.num_blocks < 2 or min(config.requests, config.concurrency, config.repeat) < 1:
+        raise ConfigError("num_blocks must be >= 2, requests, concurrency and repeat >= 1")
+    counters = config.server_engine.counters
     spec = load_model(config.model)
     count, tokenizer = load_token_counter(config.model)
     workload = build_workload(config.workload, config.requests, config.seed, count)
@@ -172,27 +171,58 @@ def run_ab(
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvplug-ab-"))
     result = ABResult(config, workload.describe(), tokenizer, spec, max_model_len)
     say(f"{workload.describe()}; tokenizer: {tokenizer}; logs in {log_dir}")
+    runs: dict[str, list[ArmSummary]] = {arm.name: [] for arm in arms}
     with _sigterm_as_exit():
-        for arm in arms:
-            why = arm.missing()
-            if why:
-                say(f"{arm.name}: unavailable ({why})")
-                result.arms.append(ArmSummary(arm.name, available=False, note=why))
-                continue
-            log_path = log_dir / f"{arm.name}.log"
-            try:
-                summary = run_arm(
-                    config, arm, workload, spec, log_path, max_model_len, say, command
+        for round_index in range(config.repeat):
+            for arm in arms:
+                name = arm.name if config.repeat == 1 else f"{arm.name}#{round_index + 1}"
+                runs[arm.name].append(
+                    _run_or_note(
+                        config,
+                        arm,
+                        name,
+                        workload,
+                        spec,
+                        log_dir,
+                        max_model_len,
+                        say,
+                        command,
+                        counters,
+                    )  # fmt: skip
                 )
-            except ServerError as exc:
-                say(f"{arm.name}: failed: {exc}")
-                first_line = str(exc).splitlines()[0].split("; command:")[0]
-                summary = ArmSummary(
-                    arm.name, available=False, note=first_line, log_path=str(log_path)
-                )
-            result.arms.append(summary)
+    if config.repeat == 1:
+        result.arms = [runs[arm.name][0] for arm in arms]
+    else:
+        result.arms = [combine(runs[arm.name]) for arm in arms]
     result.seconds = time.monotonic() - started
     return result
+
+
+def _run_or_note(
+    config: ABConfig,
+    arm: Arm,
+    run_name: str,
+    workload: Workload,
+    spec: ModelSpec,
+    log_dir: Path,
+    max_model_len: int,
+    say: Progress,
+    command: CommandFactory,
+    counters: PrefixCounters,
+) -> ArmSummary:
+    """One run of `arm` (its log named `run_name`), or an unavailable summary saying why."""
+    why = arm.missing()
+    if why:
+        say(f"{run_name}: unavailable ({why})")
+        return ArmSummary(arm.name, available=False, note=why)
+    log_path = log_dir / f"{run_name}.log"
+    try:
+        return run_arm(config, arm, workload, spec, log_path, max_model_len, say, command,
+                       counters, run_name)  # fmt: skip
+    except ServerError as exc:
+        say(f"{run_name}: failed: {exc}")
+        first_line = str(exc).splitlines()[0].split("; command:")[0]
+        return ArmSummary(arm.name, available=False, note=first_line, log_path=str(log_path))
 
 
 def run_arm(
@@ -203,15 +233,18 @@ def run_arm(
     log_path: Path,
     max_model_len: int,
     say: Progress,
-    command: CommandFactory = vllm_arm_command,
+    command: CommandFactory = engine_arm_command,
+    counters: PrefixCounters | None = None,
+    run_name: str | None = None,
 ) -> ArmSummary:
     """Start `arm`'s server, drive `workload` against it, stop it, summarize."""
+    name = run_name or arm.name
     port = free_port()
     argv = command(config, arm, port, max_model_len)
-    say(f"{arm.name}: starting the server on port {port} (log: {log_path})")
+    say(f"{name}: starting the server on port {port} (log: {log_path})")
     server = Server(argv, port, log_path, startup_timeout_s=config.startup_timeout_s)
     with server:
-        say(f"{arm.name}: ready after {server.startup_s:.1f} s; sending {workload.requests} "
+        say(f"{name}: ready after {server.startup_s:.1f} s; sending {workload.requests} "
             f"requests, {config.concurrency} at a time")  # fmt: skip
         model = str(config.model)
         warm = warm_up(server.base_url, model, timeout_s=config.request_timeout_s)
@@ -229,11 +262,12 @@ def run_arm(
         )
         server.check_alive()
         after = _scrape(server)
-    summary = summarize(arm.name, run.results, run.wall_s, spec, after.since(before))
+    counters = counters or config.server_engine.counters
+    summary = summarize(arm.name, run.results, run.wall_s, spec, after.since(before), counters)
     summary.startup_s = server.startup_s
     summary.log_path = str(log_path)
     summary.server_args = list(arm.extra_args)
-    say(f"{arm.name}: {summary.succeeded}/{summary.requests} requests succeeded in "
+    say(f"{name}: {summary.succeeded}/{summary.requests} requests succeeded in "
         f"{summary.duration_s:.1f} s; server stopped")  # fmt: skip
     return summary
 

@@ -1,4 +1,4 @@
-"""``kvplug ab --engine vllm``: check the options, run the server A/B, print and plot."""
+"""``kvplug ab --engine vllm|sglang``: check the options, run the server A/B, print, plot."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ from pathlib import Path
 
 import click
 
-from kvplug.serving.ab import ABConfig, kvplug_arm, run_ab, stock_arm
+from kvplug.serving.ab import ABConfig, run_ab
+from kvplug.serving.engines import ENGINES, VLLM
 from kvplug.serving.report import plot, render
 
-DEFAULT_PLOT = "kvplug-ab-vllm.png"
+
+def default_plot(engine: str) -> str:
+    return f"kvplug-ab-{engine}.png"
 
 
 def parse_kvplug_config(text: str | None) -> dict | None:
@@ -35,25 +38,21 @@ def parse_kvplug_config(text: str | None) -> dict | None:
     return value
 
 
-def check_model_dir(model: str) -> Path:
+def check_model_dir(model: str, engine: str = VLLM.name) -> Path:
     path = Path(model)
+    needs = (
+        f"--engine {engine} needs a Hugging Face model directory (config.json, weights, tokenizer)"
+    )
     if not path.is_dir():
-        raise click.BadParameter(
-            f"no such directory {model!r}; --engine vllm needs a Hugging Face model "
-            "directory (config.json, weights, tokenizer)",
-            param_hint="--model",
-        )
+        raise click.BadParameter(f"no such directory {model!r}; {needs}", param_hint="--model")
     if not (path / "config.json").is_file():
-        raise click.BadParameter(
-            f"{model!r} holds no config.json; --engine vllm needs a Hugging Face model "
-            "directory (config.json, weights, tokenizer)",
-            param_hint="--model",
-        )
+        raise click.BadParameter(f"{model!r} holds no config.json; {needs}", param_hint="--model")
     return path
 
 
-def vllm_ab(
+def server_ab(
     *,
+    engine: str = VLLM.name,
     model: str,
     workload: str,
     num_blocks: int,
@@ -64,14 +63,17 @@ def vllm_ab(
     json_path: str | None,
     fmt: str,
     quiet: bool,
+    repeat: int = 1,
 ) -> None:
-    """Run the stock and kvplug vLLM servers in turn; print the table, write the files."""
-    path = check_model_dir(model)
+    """Run the stock and kvplug servers of `engine` in turn (`repeat` rounds); print the
+    table, write the files."""
+    server = ENGINES[engine]
+    path = check_model_dir(model, engine)
     extra = parse_kvplug_config(kvplug_config)
-    if importlib.util.find_spec("vllm") is None:
+    if importlib.util.find_spec(engine) is None:
         raise click.ClickException(
-            f"vllm is not installed for {sys.executable}; run the kvplug of the "
-            "environment that has it, e.g. .venv-vllm/bin/kvplug ab --engine vllm ..."
+            f"{engine} is not installed for {sys.executable}; run the kvplug of the "
+            f"environment that has it, e.g. .venv-{engine}/bin/kvplug ab --engine {engine} ..."
         )
     config = ABConfig(
         model=path,
@@ -79,9 +81,11 @@ def vllm_ab(
         requests=requests,
         concurrency=concurrency,
         num_blocks=num_blocks,
+        engine=engine,
+        repeat=repeat,
     )
     progress = None if quiet else (lambda message: click.echo(f"  {message}", err=True))
-    result = run_ab(config, [stock_arm(), kvplug_arm(extra)], progress=progress)
+    result = run_ab(config, [server.stock_arm(), server.kvplug_arm(extra)], progress=progress)
     if not any(arm.available for arm in result.arms):
         notes = "; ".join(f"{arm.arm}: {arm.note}" for arm in result.arms)
         raise click.ClickException(f"no arm ran ({notes})")
@@ -90,7 +94,7 @@ def vllm_ab(
         Path(json_path).write_text(json.dumps(result.as_dict(), indent=2) + "\n")
         click.echo(f"\njson: {json_path}", err=fmt != "table")
     try:
-        written = plot(result, plot_path or DEFAULT_PLOT)
+        written = plot(result, plot_path or default_plot(engine))
     except ImportError as exc:  # matplotlib missing from this environment
         click.echo(f"plot: skipped ({exc})", err=True)
     else:

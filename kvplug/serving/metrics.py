@@ -1,8 +1,9 @@
 """The Prometheus text a server returns on ``GET /metrics``, summed over label sets.
 
 vLLM names its prefix-cache counters ``vllm:prefix_cache_queries`` and
-``vllm:prefix_cache_hits`` (in tokens); the text format adds ``_total`` to counters. The
-kvplug scheduler exports its own families named ``kvplug_*`` or ``kvplug:*``.
+``vllm:prefix_cache_hits`` (in tokens); SGLang counts ``sglang:prompt_tokens`` and
+``sglang:cached_tokens`` per finished request. The text format adds ``_total`` to
+counters. kvplug exports its own families named ``kvplug_*`` or ``kvplug:*``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,22 @@ PREEMPTIONS = "vllm:num_preemptions"
 KVPLUG_PREFIXES = ("kvplug_", "kvplug:")
 _SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
 _CUMULATIVE = {"counter", "histogram", "summary"}
+
+
+@dataclass(frozen=True)
+class PrefixCounters:
+    """An engine's counter names: prompt tokens looked up in its prefix cache, the tokens
+    found there, and requests preempted (vLLM) or retracted (SGLang)."""
+
+    queries: str
+    hits: str
+    preemptions: str
+
+
+VLLM_COUNTERS = PrefixCounters(PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS)
+SGLANG_COUNTERS = PrefixCounters(
+    "sglang:prompt_tokens", "sglang:cached_tokens", "sglang:num_retracted_requests"
+)
 
 
 @dataclass

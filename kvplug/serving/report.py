@@ -1,5 +1,6 @@
 """The server A/B side by side: a table (one row per metric, one column per arm), JSON,
-CSV (one row per arm), and a bar chart per metric."""
+CSV (one row per arm), and a bar chart per metric. With repeated runs each figure is the
+median over the runs, followed by ``[min-max]`` in the table and an error bar in the plot."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvplug.serving.ab import ABResult
-from kvplug.serving.stats import ArmSummary
+from kvplug.serving.stats import ArmSummary, spread
 
 FORMATS = ("table", "json", "csv")
 
@@ -47,15 +48,24 @@ ROWS = (
 )
 
 
-def _cell(row: Row, arm: ArmSummary) -> str:
-    if not arm.available:
-        return "unavailable"
-    value = row.value(arm)
+def _format(row: Row, value: float | None) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     if row.fmt.endswith("d"):
         value = int(value)
     return format(value, row.fmt)
+
+
+def _cell(row: Row, arm: ArmSummary) -> str:
+    """The arm's figure; with repeated runs, the median then ``[min-max]`` when they differ."""
+    if not arm.available:
+        return "unavailable"
+    text = _format(row, row.value(arm))
+    if len(arm.runs) > 1:
+        low, high = (_format(row, v) for v in spread(arm, row.value))
+        if low != high:
+            text += f" [{low}-{high}]"
+    return text
 
 
 def _change(row: Row, base: ArmSummary, other: ArmSummary) -> str:
@@ -76,13 +86,19 @@ def table(result: ABResult) -> str:
     config = result.config
     arms = result.arms
     lines = [
-        f"{result.workload}; model {config.model}; {config.num_blocks} KV blocks of "
-        f"{config.block_size} tokens; max-model-len {result.max_model_len}; concurrency "
-        f"{config.concurrency}; cost model {result.cost_model.name}",
+        f"{result.workload}; model {config.model}; {_budget(result)}; max-model-len "
+        f"{result.max_model_len}; concurrency {config.concurrency}; cost model "
+        f"{result.cost_model.name}",
         "",
     ]
+    if config.repeat > 1:
+        lines[-1:] = [
+            f"each arm run {config.repeat} times, interleaved: median [min-max] over the runs",
+            "",
+        ]
     compare = len(arms) >= 2 and arms[0].available and arms[1].available
-    width = max(14, *(len(a.arm) for a in arms))
+    cells = [_cell(row, a) for row in ROWS for a in arms]
+    width = max(14, *(len(a.arm) for a in arms), *(len(c) for c in cells))
     header = f"{'metric':<24}" + "".join(f" {a.arm:>{width}}" for a in arms)
     if compare:
         header += f" {arms[1].arm + ' vs ' + arms[0].arm:>18}"
@@ -103,6 +119,14 @@ def table(result: ABResult) -> str:
             cells = "".join(f" {_number(a.kvplug_metrics.get(name)):>{width}}" for a in arms)
             lines.append(f"  {name:<40}{cells}")
     return "\n".join(lines)
+
+
+def _budget(result: ABResult) -> str:
+    """The KV budget each server got, in its engine's terms."""
+    config = result.config
+    if config.engine == "sglang":
+        return f"{config.num_blocks * config.block_size} KV tokens (--max-total-tokens)"
+    return f"{config.num_blocks} KV blocks of {config.block_size} tokens"
 
 
 def _number(value: float | None) -> str:
@@ -145,7 +169,21 @@ def plot(result: ABResult, path: str | Path) -> Path:
     for ax, row in zip(axes.flat, rows, strict=False):
         values = [row.value(a) for a in arms]
         values = [0.0 if v is None or math.isnan(v) else float(v) for v in values]
-        bars = ax.bar([a.arm for a in arms], values, color=colors[: len(arms)])
+        errors = None
+        if any(len(a.runs) > 1 for a in arms):  # median with a min-max bar
+            ranges = [spread(a, row.value) for a in arms]
+            errors = [
+                [
+                    0.0 if math.isnan(low) else max(0.0, v - low)
+                    for v, (low, _) in zip(values, ranges, strict=True)
+                ],
+                [
+                    0.0 if math.isnan(high) else max(0.0, high - v)
+                    for v, (_, high) in zip(values, ranges, strict=True)
+                ],
+            ]
+        bars = ax.bar([a.arm for a in arms], values, color=colors[: len(arms)], yerr=errors,
+                      capsize=4)  # fmt: skip
         ax.bar_label(bars, fmt="%.3g", fontsize=8)
         better = {True: "higher", False: "lower"}[row.higher_is_better]
         ax.set_title(f"{row.label} ({better} is better)", fontsize=9)
@@ -153,7 +191,8 @@ def plot(result: ABResult, path: str | Path) -> Path:
         ax.margins(y=0.15)
     for ax in list(axes.flat)[len(rows) :]:
         ax.axis("off")
-    fig.suptitle(f"{result.workload} | {result.config.num_blocks} KV blocks", fontsize=10)
+    runs = f" | median of {result.config.repeat} runs" if result.config.repeat > 1 else ""
+    fig.suptitle(f"{result.workload} | {_budget(result)}{runs}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

@@ -119,6 +119,7 @@ class Server:
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.process: subprocess.Popen | None = None
+        self.pgid: int | None = None  # its process group, kept after it is stopped
         self.startup_s = 0.0
 
     @property
@@ -138,6 +139,7 @@ class Server:
                 env=self.env,
                 start_new_session=True,
             )
+        self.pgid = self.process.pid  # its own session: the group id is its pid
         try:
             self._wait_healthy(started)
         except BaseException:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
 
 from kvplug.core.model_spec import ModelSpec
 from kvplug.serving.client import RequestResult
-from kvplug.serving.metrics import PREEMPTIONS, PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, Metrics
+from kvplug.serving.metrics import VLLM_COUNTERS, Metrics, PrefixCounters
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -59,6 +60,7 @@ class ArmSummary:
     errors: list[str] = field(default_factory=list)  # the first few distinct ones
     log_path: str = ""
     server_args: list[str] = field(default_factory=list)
+    runs: list[ArmSummary] = field(default_factory=list)  # each run's, when repeated
 
     @property
     def server_prefix_hit_ratio(self) -> float | None:
@@ -69,6 +71,7 @@ class ArmSummary:
     def as_dict(self) -> dict:
         out = asdict(self)
         out["server_prefix_hit_ratio"] = self.server_prefix_hit_ratio
+        out["runs"] = [run.as_dict() for run in self.runs]
         return out
 
 
@@ -84,9 +87,10 @@ def summarize(
     wall_s: float,
     spec: ModelSpec,
     metrics: Metrics | None = None,
+    counters: PrefixCounters = VLLM_COUNTERS,
 ) -> ArmSummary:
     """An arm's summary from its request results, the run's wall time, and the server's
-    metrics over the run (`Metrics.since` the start)."""
+    metrics over the run (`Metrics.since` the start), read by the engine's `counters`."""
     ok = [r for r in results if r.ok]
     ttfts = [1000 * r.ttft_s for r in ok]
     prompt = sum(r.prompt_tokens for r in ok)
@@ -114,8 +118,58 @@ def summarize(
         errors=list(dict.fromkeys(r.error for r in results if r.error))[:5],
     )
     if metrics is not None:
-        summary.server_prefix_cache_queries = metrics.get(PREFIX_CACHE_QUERIES)
-        summary.server_prefix_cache_hits = metrics.get(PREFIX_CACHE_HITS)
-        summary.server_preemptions = metrics.get(PREEMPTIONS)
+        summary.server_prefix_cache_queries = metrics.get(counters.queries)
+        summary.server_prefix_cache_hits = metrics.get(counters.hits)
+        if summary.server_prefix_cache_hits is None and summary.server_prefix_cache_queries:
+            summary.server_prefix_cache_hits = 0.0  # SGLang shows a counter once it moved
+        summary.server_preemptions = metrics.get(counters.preemptions)
         summary.kvplug_metrics = metrics.kvplug()
     return summary
+
+
+# Fields `combine` takes the median of; the rest come from the first run that ran.
+_MEDIAN_FIELDS = {
+    f.name: int if f.type == "int" else float
+    for f in fields(ArmSummary)
+    if f.type in ("int", "float", "float | None")
+}
+
+
+def combine(runs: Sequence[ArmSummary]) -> ArmSummary:
+    """One arm's repeated runs as one summary: the median of every number over the runs
+    that ran (`runs` keeps each run, for the spread), kvplug's metrics likewise, errors
+    and notes gathered. Unavailable only if no run ran."""
+    if not runs:
+        raise ValueError("no runs to combine")
+    ran = [run for run in runs if run.available]
+    failed = [run for run in runs if not run.available]
+    notes = list(dict.fromkeys(run.note for run in failed if run.note))
+    if not ran:
+        out = ArmSummary(runs[0].arm, available=False, note="; ".join(notes))
+        out.log_path = runs[0].log_path
+        out.runs = list(runs)
+        return out
+    out = ArmSummary(ran[0].arm, log_path=ran[0].log_path, server_args=ran[0].server_args)
+    for name, cast in _MEDIAN_FIELDS.items():
+        values = [getattr(run, name) for run in ran if getattr(run, name) is not None]
+        values = [v for v in values if not (isinstance(v, float) and math.isnan(v))]
+        if values:
+            setattr(out, name, cast(statistics.median(values)))
+    keys = dict.fromkeys(key for run in ran for key in run.kvplug_metrics)
+    out.kvplug_metrics = {
+        key: statistics.median(run.kvplug_metrics[key] for run in ran if key in run.kvplug_metrics)
+        for key in keys
+    }
+    out.errors = list(dict.fromkeys(e for run in ran for e in run.errors))[:5]
+    if failed:
+        out.note = f"{len(failed)} of {len(runs)} runs failed: " + "; ".join(notes)
+    out.runs = list(runs)
+    return out
+
+
+def spread(arm: ArmSummary, value: Callable[[ArmSummary], float | None]) -> tuple[float, float]:
+    """The smallest and largest of `value` over the runs of `arm` that ran (NaN, NaN if
+    none has a value)."""
+    values = [value(run) for run in arm.runs if run.available]
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return (min(values), max(values)) if values else (math.nan, math.nan)

@@ -11,7 +11,9 @@ Each figure is a rate measured here, not a target; the last column compares the 
 cost at each size with the smallest size, so growth with the cache size shows directly.
 
 `vllm-step` (needs vLLM) times vLLM's scheduler step with kvplug's block pool against
-vLLM's own; see `kvplug.vllm.bench`.
+vLLM's own; see `kvplug.vllm.bench`. `sglang-cache` (needs SGLang) times SGLang's radix
+cache operations with kvplug's policy against SGLang's own ``lru``; see
+`kvplug.sglang.bench`.
 """
 
 from __future__ import annotations
@@ -255,6 +257,38 @@ def vllm_step(
         with open(json_path, "w") as out:
             json.dump(report(results, workload, steps, rounds), out, indent=2)
         click.echo(f"wrote {json_path}", err=True)
+
+
+@bench.command(name="sglang-cache")
+@click.option("--pages", default="10000,100000", show_default=True, help="Pool sizes, in pages.")
+@click.option("--requests", default=200, show_default=True, help="Timed requests per round.")
+@click.option("--rounds", default=6, show_default=True, help="Interleaved rounds per arm.")
+@click.option("--policy", default="lru", show_default=True, help="kvplug's policy in the arm.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the request stream.")
+def sglang_cache(pages: str, requests: int, rounds: int, policy: str, seed: int) -> None:
+    """SGLang's cache operations (match, insert, evict) with kvplug's policy, against
+    SGLang's own lru, per request, in one run. Needs SGLang (pip install 'kvplug[sglang]')."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        raise click.ClickException(
+            "`kvplug bench sglang-cache` needs SGLang, which is not installed "
+            "(pip install 'kvplug[sglang]')"
+        )
+    if requests < 1 or rounds < 1:
+        raise click.BadParameter("need requests >= 1 and rounds >= 1", param_hint="--rounds")
+    from kvplug.sglang.bench import Workload, bench_size, format_table
+
+    results = []
+    for size in _int_list(pages):
+        click.echo(f"  {size:,} pages ...", err=True)
+        results += bench_size(size, policy, Workload(seed=seed), requests, rounds)
+    click.echo(format_table(results))
+    click.echo(
+        "\nratio: this arm / sglang-stock:lru (target <= 1.10x); rounds: range of the "
+        "per-round ratios; microseconds per request (all its cache operations), this "
+        "machine's CPU, one thread."
+    )
 
 
 if __name__ == "__main__":

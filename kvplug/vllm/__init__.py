@@ -17,7 +17,7 @@ and its own metrics.
 |---|---|
 | `scheduler` | the `Scheduler` factory, kvplug's config, the namespace salt, statistics |
 | `kv_cache_manager` | the one construction site: vLLM's manager over kvplug's pool |
-| `block_pool` | `KVPlugBlockPool` (vLLM's `BlockPool`) and `CachedBlock` (a tree node) |
+| `block_pool` | `KVPlugBlockPool` (vLLM's `BlockPool`), `CachedBlock` (the eviction core's node) |
 | `free_queue` | `PolicyFreeQueue`: vLLM's free-queue interface, fresh blocks then victims |
 | `stats` | `PoolStats`, metrics snapshots and the Prometheus collector |
 | `plugin` | the ``vllm.general_plugins`` entry point |

@@ -20,15 +20,12 @@ import logging
 import os
 from typing import Any
 
-import xxhash
 from vllm.v1.core.sched import scheduler as vllm_scheduler
 
-from kvplug.config import KVPlugConfig
-from kvplug.core.keys import encode_fields
-from kvplug.core.model_spec import ModelSpec, load_model
+from kvplug.config import KVPlugConfig, build_policy
+from kvplug.core.keys import namespace_salt
+from kvplug.core.model_spec import ModelSpec, served_model
 from kvplug.errors import ConfigError
-from kvplug.policies import available_policies, make_policy
-from kvplug.policies.base import EvictionPolicy
 from kvplug.vllm.block_pool import KVPlugBlockPool
 from kvplug.vllm.kv_cache_manager import (
     KVPlugKVCacheManager,
@@ -42,7 +39,6 @@ from kvplug.vllm.version import check_vllm_version
 logger = logging.getLogger("vllm.kvplug")
 
 TENANT_ARG = "kvplug_tenant"  # per request: SamplingParams.extra_args / OpenAI vllm_xargs
-OFFLINE_POLICIES = {"belady": "it needs every request in advance (use it in kvplug replay)"}
 
 
 def Scheduler(**kwargs: Any) -> Any:  # noqa: N802 - vLLM calls it like a class
@@ -75,24 +71,7 @@ def load_config(vllm_config: Any) -> KVPlugConfig:
 def model_spec(vllm_config: Any) -> ModelSpec:
     """The served model's shape, for FLOPs estimates; a preset if it cannot be read."""
     model_config = vllm_config.model_config
-    try:
-        text_config = model_config.hf_text_config.to_dict()
-        return ModelSpec.from_hf_config(text_config, name=str(model_config.model))
-    except Exception:  # an architecture kvplug cannot read: estimates use the default model
-        return load_model(None)
-
-
-def build_policy(config: KVPlugConfig, model: ModelSpec) -> EvictionPolicy:
-    if config.policy in OFFLINE_POLICIES:
-        online = [name for name in available_policies() if name not in OFFLINE_POLICIES]
-        raise ConfigError(
-            f"kvplug config: policy {config.policy!r} cannot run in a server: "
-            f"{OFFLINE_POLICIES[config.policy]}; accepted here: {', '.join(online)}"
-        )
-    params = dict(config.policy_config)
-    if config.policy == "cost" and "model" not in params:
-        params["model"] = model
-    return make_policy(config.policy, **params)
+    return served_model(model_config, str(model_config.model))
 
 
 class KVPlugSchedulerMixin:
@@ -160,7 +139,7 @@ class KVPlugSchedulerMixin:
         if tenant == default and not exported:
             return
         parts = [*self._namespace.values(), tenant, request.cache_salt or ""]
-        request.cache_salt = "kvplug:" + xxhash.xxh3_128_hexdigest(encode_fields(parts))
+        request.cache_salt = namespace_salt(parts)
         request.block_hashes = []
         request.update_block_hashes()
 

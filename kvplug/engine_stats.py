@@ -1,0 +1,50 @@
+"""What kvplug counts inside an engine: the counters and gauges every adapter exposes.
+
+The vLLM adapter (`kvplug.vllm.stats`) and the SGLang adapter (`kvplug.sglang.stats`)
+count into one `PoolStats` and expose each field as the Prometheus metric
+``kvplug_<field>``, with the help text in `HELP`; fields in `GAUGES` are gauges, the
+rest counters. How they reach ``/metrics`` is each adapter's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class PoolStats:
+    """Counters since start-up (except the gauges marked so)."""
+
+    requests: int = 0  # finished requests
+    prompt_tokens: int = 0
+    matched_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_flops: float = 0.0  # prefill FLOPs of all prompts
+    saved_flops: float = 0.0  # prefill FLOPs of the matched prefixes
+    block_hits: int = 0  # cached blocks reused by a request
+    evictions: int = 0  # cached blocks evicted to make room
+    churn: int = 0  # evicted blocks cached again soon after (within a pool's worth)
+    cached_blocks: int = 0  # gauge: blocks with a reusable hash
+    bytes_held: int = 0  # gauge: bytes of those blocks
+    deferred_blocks: int = 0  # gauge: blocks freed but not yet returned (in-flight writes)
+    deferred_age_steps: int = 0  # gauge: scheduler steps the oldest of those has waited
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+HELP = {
+    "requests": "Finished requests seen by kvplug",
+    "prompt_tokens": "Prompt tokens of finished requests",
+    "matched_tokens": "Prompt tokens served from kvplug's prefix cache",
+    "prompt_flops": "Prefill FLOPs of all prompts (model estimate)",
+    "saved_flops": "Prefill FLOPs saved by prefix-cache hits (model estimate)",
+    "block_hits": "Cached blocks reused by requests",
+    "evictions": "Cached blocks evicted by kvplug's policy",
+    "churn": "Evicted blocks cached again within a pool's worth of evictions",
+    "cached_blocks": "Blocks holding reusable KV state",
+    "bytes_held": "Bytes of KV cache holding reusable state",
+    "deferred_blocks": "Freed blocks held back until in-flight writes end",
+    "deferred_age_steps": "Scheduler steps the oldest deferred release has waited",
+}
+GAUGES = {"cached_blocks", "bytes_held", "deferred_blocks", "deferred_age_steps"}

@@ -1,0 +1,27 @@
+"""kvplug inside SGLang: ``--radix-cache-backend kvplug``.
+
+    python -m sglang.launch_server --model-path MODEL --radix-cache-backend kvplug \\
+        [--radix-eviction-policy kvplug-cost] [--radix-eviction-policy-config '{...}']
+
+or offline, ``sglang.Engine(model_path=..., radix_cache_backend="kvplug", ...)``.
+kvplug's ``sglang.srt.plugins`` entry point registers the names; nothing changes unless
+the backend is selected. Options are kvplug's config keys (`kvplug.config.KVPlugConfig`),
+from ``--radix-eviction-policy-config`` or the file named by ``$KVPLUG_CONFIG``.
+
+Importing this package does not import SGLang; every module below except `plugin` and
+`namespace` does. kvplug decides which node goes next (the eviction core in
+`kvplug.core.eviction`, the same one `KVCache` and the vLLM adapter run); SGLang keeps
+its tree, allocation, locks, KV events and its own metrics.
+
+| module | owns |
+|---|---|
+| `plugin` | the ``sglang.srt.plugins`` entry point: policy choices, strategies, backends |
+| `backend` | the ``kvplug`` cache factory, `apply_kvplug` (one set-up site), `KVPlugRadixCache` |
+| `tree_core` | `KVPlugTreeCore` (SGLang's Python tree core) and `NodeRecord` (the core's node) |
+| `components` | `KVPlugFullComponent`: lock walks and the device-eviction walk through the core |
+| `strategy` | the ``kvplug-<name>`` strategies and kvplug's config from SGLang's arguments |
+| `namespace` | the tenant and namespace salt folded into each request's ``cache_salt`` |
+| `stats` | `CacheStats` and the Prometheus exporter for SGLang's multiprocess ``/metrics`` |
+| `version` | the supported SGLang range, and the private names kvplug checks at start-up |
+| `bench` | ``kvplug bench sglang-cache``: cache operations, kvplug's policy against SGLang's |
+"""

@@ -1,0 +1,225 @@
+"""The ``kvplug`` radix-cache backend: SGLang's own unified radix cache, kvplug deciding.
+
+``--radix-cache-backend kvplug`` makes SGLang's scheduler call `kvplug_radix_cache`
+(registered by `kvplug.sglang.plugin`). It builds what SGLang's default chain builds for
+the model, a `UnifiedRadixCache` with full-attention, sliding-window and Mamba components
+as the model needs, through SGLang's own `create_unified_radix_cache`, with three
+differences, all set on SGLang's ``CacheInitParams`` by `apply_kvplug` (the one place a
+kvplug cache is configured; the replay arm and the tests use it too):
+
+- the tree core is kvplug's (`kvplug.sglang.tree_core`, tree-core backend ``kvplug``): the
+  pure-Python core SGLang also has, since its default Rust core accepts only SGLang's own
+  policy names;
+- the full-attention component is kvplug's (`kvplug.sglang.components`);
+- the cache class is `KVPlugRadixCache`, which folds kvplug's namespace into each
+  request's ``cache_salt`` (`kvplug.sglang.namespace`) and counts kvplug's statistics.
+
+The policy is ``--radix-eviction-policy kvplug-<name>``, or kvplug's configured policy
+(``cost`` by default) when that flag is left at SGLang's default. An SGLang policy named
+explicitly is refused: it would not be kvplug's. The log says once
+``kvplug is active: policy=...``.
+
+Start-up checks, each a clear error before the scheduler serves: the SGLang version,
+the private SGLang names kvplug reaches, kvplug's config, and options kvplug does not
+serve (hierarchical cache, session radix cache, LMCache, pure sliding-window models).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+from kvplug.config import KVPlugConfig
+from kvplug.core.model_spec import ModelSpec, load_model, served_model
+from kvplug.errors import ConfigError
+from kvplug.sglang.components import kvplug_components
+from kvplug.sglang.namespace import RequestNamespace, first_sight
+from kvplug.sglang.stats import CacheStats, PrometheusExporter
+from kvplug.sglang.strategy import PREFIX, load_config, policy_name
+from kvplug.sglang.version import check_private_names, check_sglang_version
+
+logger = logging.getLogger("sglang.kvplug")
+
+BACKEND = "kvplug"  # the name of both the radix-cache and the tree-core backend
+PUBLISH_INTERVAL_S = 0.25
+
+
+class KVPlugRadixCache(UnifiedRadixCache):
+    """SGLang's `UnifiedRadixCache`; each request's keys carry kvplug's namespace, and
+    kvplug's counters (``kvplug_stats``, its tree core's) count each request once, at its
+    first match, and reach ``/metrics`` through ``kvplug_exporter`` when SGLang's metrics
+    are on (at most every `PUBLISH_INTERVAL_S`)."""
+
+    kvplug_namespace: RequestNamespace | None = None
+    kvplug_model: ModelSpec | None = None
+    kvplug_exporter: PrometheusExporter | None = None
+    kvplug_stats: CacheStats
+    _published_at = 0.0
+
+    def match_prefix(self, params: Any) -> Any:
+        req = params.req
+        first = req is not None and first_sight(req)
+        namespace = self.kvplug_namespace
+        if first and namespace is not None and namespace.apply(req):
+            key = params.key
+            params = dataclasses.replace(
+                params,
+                key=RadixKey(
+                    key.token_ids,
+                    key.extra_key,
+                    is_bigram=key.is_bigram,
+                    limit=key.limit,
+                    cache_salt=req.cache_salt,
+                ),
+            )
+        result = super().match_prefix(params)
+        if first:
+            self._count_request(len(req.origin_input_ids), result.device_prefix_len)
+        return result
+
+    def _count_request(self, prompt: int, matched: int) -> None:
+        stats = self.kvplug_stats
+        stats.requests += 1
+        stats.prompt_tokens += prompt
+        stats.matched_tokens += matched
+        model = self.kvplug_model
+        if model is not None:
+            stats.prompt_flops += model.prefill_flops(0, prompt)
+            stats.saved_flops += model.prefill_flops(0, matched)
+        exporter = self.kvplug_exporter
+        now = time.monotonic()
+        if exporter is not None and now - self._published_at >= PUBLISH_INTERVAL_S:
+            self._published_at = now
+            pages = len(self.tree_core.records)
+            stats.cached_blocks = pages
+            if model is not None:
+                stats.bytes_held = int(pages * self.page_size * model.kv_bytes_per_token())
+            exporter.publish(stats)
+
+
+def apply_kvplug(params: Any, config: KVPlugConfig, model: ModelSpec | None = None) -> None:
+    """Configure SGLang's `CacheInitParams` so that the cache built from them is
+    kvplug's: its tree core, its full-attention component and the policy `config` names.
+    Registers kvplug's names with SGLang first, if the entry point has not."""
+    from kvplug.sglang.plugin import register_names
+
+    register_names()
+    params.tree_core_backend = BACKEND
+    params.component_registry_override = {
+        **(params.component_registry_override or {}),
+        **kvplug_components(),
+    }
+    params.eviction_policy = PREFIX + config.policy
+    params.eviction_policy_config = {
+        "kvplug_config": config,
+        "kvplug_model": model if model is not None else load_model(None),
+    }
+
+
+def build_cache(params: Any, config: KVPlugConfig, model: ModelSpec | None = None) -> Any:
+    """A `KVPlugRadixCache` from SGLang's `params` (pools already built), ranked by
+    `config`'s policy: what the backend builds, for callers that hold the pools."""
+    apply_kvplug(params, config, model)
+    cache = KVPlugRadixCache(params)
+    attach(cache, config)
+    return cache
+
+
+def attach(
+    cache: Any,
+    config: KVPlugConfig,
+    namespace: RequestNamespace | None = None,
+    model: ModelSpec | None = None,
+    exporter: PrometheusExporter | None = None,
+) -> None:
+    """Give a built cache its namespace, model and exporter; its statistics are its tree
+    core's."""
+    cache.kvplug_stats = cache.tree_core.stats
+    cache.kvplug_namespace = namespace
+    cache.kvplug_model = model
+    cache.kvplug_exporter = exporter
+
+
+def server_config(params: Any, server_args: Any) -> KVPlugConfig:
+    """kvplug's config for a server: the policy from ``--radix-eviction-policy``, keys
+    from ``--radix-eviction-policy-config`` or ``$KVPLUG_CONFIG``."""
+    choice = str(params.eviction_policy)
+    name = policy_name(choice)
+    explicit = bool(getattr(server_args, "_radix_eviction_policy_explicitly_set", False))
+    if name is None and (explicit or choice.lower() != "lru"):
+        raise ConfigError(
+            f"--radix-cache-backend {BACKEND} ranks with kvplug's policies, but "
+            f"--radix-eviction-policy {choice} is SGLang's; use kvplug-<name> (for SGLang's "
+            f"order, kvplug-lru) or drop --radix-cache-backend {BACKEND}"
+        )
+    config = load_config(name, params.eviction_policy_config)
+    if config.block_size is not None and config.block_size != params.page_size:
+        raise ConfigError(
+            f"kvplug config: block_size {config.block_size} cannot be served: SGLang pages "
+            f"its KV cache in {params.page_size} tokens; start SGLang with --page-size "
+            f"{config.block_size} or drop kvplug's block_size"
+        )
+    return config
+
+
+def refuse_unserved(ctx: Any) -> None:
+    """Raise `ConfigError` for an SGLang option the kvplug backend does not serve."""
+    from sglang.srt.runtime_context import get_memory
+
+    unserved = []
+    if ctx.enable_hierarchical_cache:
+        unserved.append("--enable-hierarchical-cache")
+    if ctx.params.enable_session_radix_cache:
+        unserved.append("--enable-session-radix-cache")
+    if getattr(get_memory(), "enable_lmcache", False):
+        unserved.append("--enable-lmcache")
+    if ctx.is_hybrid_swa and ctx.full_tokens_per_layer == 0:
+        unserved.append("a model with sliding-window layers only")
+    if unserved:
+        raise ConfigError(
+            f"--radix-cache-backend {BACKEND} does not serve {', '.join(unserved)}; drop "
+            f"--radix-cache-backend {BACKEND} to use SGLang's own cache there"
+        )
+
+
+def kvplug_radix_cache(ctx: Any) -> Any:
+    """The ``kvplug`` entry of SGLang's radix-cache registry (see the module doc)."""
+    from sglang.srt.mem_cache.registry import create_unified_radix_cache
+
+    params = ctx.params
+    config = server_config(params, ctx.server_args)
+    problem = check_sglang_version(strict=config.strict_version)
+    if problem is not None:
+        logger.warning("%s (overridden)", problem)
+    check_private_names()
+    if ctx.disable_radix_cache:
+        logger.info("kvplug is inactive: the radix cache is disabled")
+        from sglang.srt.mem_cache.registry import default_radix_cache_factory
+
+        return default_radix_cache_factory(ctx)
+    refuse_unserved(ctx)
+    model = served_model(ctx.model_config, str(getattr(ctx.model_config, "model_path", "")))
+    apply_kvplug(params, config, model)
+    cache = create_unified_radix_cache(ctx, cache_class=KVPlugRadixCache)
+    exporter = None
+    if params.enable_metrics:
+        exporter = PrometheusExporter(str(getattr(ctx, "tp_rank", 0)), config.policy)
+    namespace = RequestNamespace.for_server(config, ctx.server_args, params)
+    attach(cache, config, namespace, model, exporter)
+    components = "+".join(component.name for component in params.tree_components)
+    logger.info(
+        "kvplug is active: policy=%s %s, %d pages of %d tokens, components %s, tree core %s "
+        "(SGLang's Python core; its Rust core accepts only SGLang's own policies)",
+        config.policy,
+        config.policy_config or "(defaults)",
+        cache.tree_core.num_pages,
+        params.page_size,
+        components,
+        BACKEND,
+    )
+    return cache

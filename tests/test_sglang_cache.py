@@ -1,0 +1,248 @@
+"""kvplug's policies inside SGLang's real `UnifiedRadixCache`, with its real KV pools.
+
+The caches here are built by SGLang's own unit-test fixture
+(`sglang.test.kits.unified_radix_cache.fixtures.build_fixture`: real token, sliding-window
+and Mamba pools on the CPU) with kvplug's tree core and full-attention component, the
+same classes ``--radix-cache-backend kvplug`` installs, for four shapes: full attention
+at page size 1 and 4, full + sliding window, and full + Mamba.
+
+Random sequences of SGLang's cache operations (insert, match and lock, unlock, evict) run
+on a stock cache (SGLang's ``lru``) and a kvplug cache side by side:
+
+- with ``kvplug-lru`` both caches return the same matches and evictions and hold the
+  same sizes in every component after every operation;
+- under every kvplug policy, kvplug's candidates stay SGLang's evictable leaves
+  (`KVPlugTreeCore.check_invariants`) and SGLang's own `sanity_check` passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from array import array
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang", reason="SGLang is not installed (see requirements/sglang-replay.txt)")
+
+
+def _allow_kit_import() -> None:
+    """SGLang's test kit imports `sglang.test.test_utils`, which imports its benchmark
+    dataset loaders and so Hugging Face ``datasets`` (not in .venv-sglang: SGLang is
+    installed without its dependencies). Nothing here loads a dataset, so a missing
+    ``datasets`` is stood in by an empty module whose loader refuses; no SGLang code is."""
+    import importlib.util
+    import sys
+    import types
+
+    if importlib.util.find_spec("datasets") is None and "datasets" not in sys.modules:
+        module = types.ModuleType("datasets")
+
+        def load_dataset(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("Hugging Face datasets is not installed")
+
+        module.load_dataset = load_dataset  # type: ignore[attr-defined]
+        sys.modules["datasets"] = module
+
+
+_allow_kit_import()
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.tree_core_registry import (  # noqa: E402
+    register_tree_core_backend,
+    registered_tree_core_backends,
+)
+from sglang.test.kits.unified_radix_cache import fixtures  # noqa: E402
+from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
+from sglang.test.kits.unified_radix_cache.fixtures import (  # noqa: E402
+    build_fixture,
+    match_prefix,
+)
+from sglang.test.kits.unified_radix_cache.unified_tree_core_inspector import (  # noqa: E402
+    UnifiedTreeCoreInspector,
+)
+
+from kvplug.sglang.components import kvplug_components  # noqa: E402
+from kvplug.sglang.plugin import register_names  # noqa: E402
+from kvplug.sglang.tree_core import KVPlugTreeCoreMixin  # noqa: E402
+
+FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
+INSPECTED = "kvplug-inspected"  # kvplug's tree core with the fixture's inspection interface
+
+SHAPES = {
+    "full-p1": CacheConfig(page_size=1, kv_size=64, max_num_reqs=64),
+    "full-p4": CacheConfig(page_size=4, kv_size=96, max_num_reqs=64),
+    "full+swa": CacheConfig(
+        page_size=1, components=(FULL, SWA), sliding_window_size=4, kv_size=64, max_num_reqs=64
+    ),
+    "full+mamba": CacheConfig(
+        page_size=1, components=(FULL, MAMBA), kv_size=64, max_num_reqs=64, mamba_cache_size=64
+    ),
+}
+
+
+class KVPlugInspector(KVPlugTreeCoreMixin, UnifiedTreeCoreInspector):
+    """kvplug's tree core over the SGLang test kit's inspecting tree core."""
+
+
+def build(shape: str, policy: str) -> tuple[Any, Any, Any]:
+    """(cache, allocator, request pool) from SGLang's fixture; `policy` is SGLang's name
+    (``lru``) or ``kvplug-<name>``."""
+    register_names()
+    if INSPECTED not in registered_tree_core_backends():
+        register_tree_core_backend(INSPECTED, KVPlugInspector)
+    cfg = dataclasses.replace(SHAPES[shape], eviction_policy=policy)
+    kvplug = {} if not policy.startswith("kvplug-") else {
+        "component_registry_override": kvplug_components(),
+        "tree_core_backend": INSPECTED,
+    }  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        # The fixture asks SGLang for the accelerator; SGLang's own CPU switch
+        # (SGLANG_USE_CPU_ENGINE) is read once at import, so the device is named here.
+        patch.setattr(fixtures, "get_device", lambda: "cpu")
+        return build_fixture(cfg, **kvplug)
+
+
+class Driver:
+    """SGLang's cache operations on one cache, as its scheduler issues them."""
+
+    def __init__(self, shape: str, policy: str) -> None:
+        self.cfg = SHAPES[shape]
+        self.cache, self.allocator, self.pool = build(shape, policy)
+        self.locks: list[Any] = []
+
+    def insert(self, tokens: list[int]) -> int:
+        tokens = tokens[: len(tokens) // self.cfg.page_size * self.cfg.page_size]
+        if not tokens or self.allocator.available_size() < len(tokens):
+            return -1
+        params = InsertParams(
+            key=RadixKey(array("q", tokens)), value=self.allocator.alloc(len(tokens))
+        )
+        if self.cfg.has_mamba:
+            req = self._request()
+            if req is None:
+                return -1
+            params.mamba_value = req.kv.mamba_pool_idx.unsqueeze(0)
+        return self.cache.insert(params).prefix_len
+
+    def match_and_lock(self, tokens: list[int]) -> int:
+        match = match_prefix(self.cache, tokens)
+        self.locks.append(self.cache.lock(match.last_device_node))
+        return match.device_prefix_len
+
+    def unlock(self, pick: int) -> None:
+        if self.locks:
+            self.cache.unlock(self.locks.pop(pick % len(self.locks)))
+
+    def evict(self, amount: int) -> tuple[int, int, int]:
+        params = EvictParams(num_tokens=amount * self.cfg.page_size)
+        if self.cfg.has_swa:
+            params.swa_num_tokens = amount
+        if self.cfg.has_mamba:
+            params.mamba_num = 1
+        result = self.cache.evict(params)
+        return (
+            result.num_tokens_evicted,
+            getattr(result, "swa_num_tokens_evicted", 0),
+            getattr(result, "mamba_num_evicted", 0),
+        )
+
+    def sizes(self) -> tuple[int, ...]:
+        tree = self.cache.tree_core
+        return tuple(
+            size
+            for component in tree.component_types
+            for size in (
+                tree.component_evictable_size(component),
+                tree.component_protected_size(component),
+            )
+        )
+
+    def _request(self) -> Any:
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        req = Req(
+            rid="x", origin_input_text="", origin_input_ids=array("q"),
+            sampling_params=SamplingParams(temperature=0, max_new_tokens=1),
+        )  # fmt: skip
+        if self.pool.alloc([req]) is None:
+            return None
+        return req
+
+
+prefixes = st.lists(st.integers(1, 6), min_size=1, max_size=12)
+op_list = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.integers(0, 2), st.integers(1, 12), st.integers(0, 9)),
+        st.tuples(st.just("match"), st.integers(0, 2), st.integers(1, 12)),
+        st.tuples(st.just("unlock"), st.integers(0, 7)),
+        st.tuples(st.just("evict"), st.integers(1, 8)),
+    ),
+    max_size=24,
+)
+
+
+def apply(driver: Driver, bases: list[list[int]], op: tuple) -> Any:
+    if op[0] == "insert":
+        _, which, cut, tail = op
+        return driver.insert(bases[which % len(bases)][:cut] + [100 + tail] * 4)
+    if op[0] == "match":
+        _, which, cut = op
+        return driver.match_and_lock(bases[which % len(bases)][:cut])
+    if op[0] == "unlock":
+        return driver.unlock(op[1])
+    return driver.evict(op[1])
+
+
+def check(driver: Driver) -> None:
+    driver.cache.tree_core.check_invariants()
+    driver.cache.sanity_check()
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@settings(max_examples=15, deadline=None)
+@given(bases=st.lists(prefixes, min_size=1, max_size=3), ops=op_list)
+def test_kvplug_lru_matches_sglang_lru(shape: str, bases: list[list[int]], ops: list[tuple]):
+    stock, kvplug = Driver(shape, "lru"), Driver(shape, "kvplug-lru")
+    for op in ops:
+        assert apply(stock, bases, op) == apply(kvplug, bases, op), op
+        assert stock.sizes() == kvplug.sizes(), op
+        check(kvplug)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("policy", ["kvplug-cost", "kvplug-lfu", "kvplug-gdsf"])
+@settings(max_examples=4, deadline=None)
+@given(bases=st.lists(prefixes, min_size=1, max_size=3), ops=op_list)
+def test_every_policy_keeps_sglang_invariants(
+    shape: str, policy: str, bases: list[list[int]], ops: list[tuple]
+) -> None:
+    driver = Driver(shape, policy)
+    for op in ops:
+        apply(driver, bases, op)
+        check(driver)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_eviction_follows_the_policy(shape: str) -> None:
+    """Two leaves: one inserted and matched twice, one once. lru evicts the older, cost
+    the one nobody came back to; both are SGLang leaves."""
+    page = SHAPES[shape].page_size
+    first, second = [1] * page * 3, [2] * page * 3
+    for policy, keeps in (("kvplug-lru", first), ("kvplug-cost", first)):
+        driver = Driver(shape, policy)
+        driver.insert(first)
+        for _ in range(2):
+            driver.match_and_lock(first)
+            driver.unlock(0)
+        driver.insert(second)
+        driver.match_and_lock(first)  # first is the most recent for lru as well
+        driver.unlock(0)
+        driver.evict(1)
+        check(driver)
+        assert match_prefix(driver.cache, keeps).device_prefix_len == len(keeps), policy
