@@ -26,9 +26,12 @@ def bundled_trace_path() -> Path:
 
 
 def load_trace(source: str, fmt: str | None = None) -> Trace:
-    """A trace file, or ``synthetic:NAME`` for a seeded synthetic workload."""
+    """A trace file, or ``synthetic:NAME[:SEED]`` for a seeded synthetic workload."""
     if source.startswith("synthetic:"):
-        return synthetic_trace(source.partition(":")[2])
+        name, _, seed = source.partition(":")[2].partition(":")
+        if seed and not seed.isdigit():
+            raise click.BadParameter(f"synthetic seed must be an integer, got {seed!r}")
+        return synthetic_trace(name, seed=int(seed or 0))
     return read_trace(source, fmt)
 
 
