@@ -14,11 +14,12 @@ from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from inspect import signature
 
 from kvplug.core.index import Node
 from kvplug.core.model_spec import ModelSpec
 from kvplug.errors import KVPlugError, UnknownPolicyError
-from kvplug.policies import available_policies, make_policy
+from kvplug.policies import available_policies, make_policy, policy_class
 from kvplug.policies.belady import BeladyPolicy
 from kvplug.replay.arms import ArmUnavailable, CacheArm, KVPlugArm
 from kvplug.replay.loop import Job, Timing, make_jobs, replay
@@ -75,17 +76,22 @@ def build_arm(name: str, capacity: int, jobs: list[Job], sequential: bool, bt: i
         from kvplug.replay.vllm_stock import VLLMStockArm
 
         policy = name.partition(":")[2]
-        params = {"tokens_per_block": bt} if policy in ("cost", "gdsf") else {}
-        return VLLMStockArm(capacity, policy=make_policy(policy, **params))
+        return VLLMStockArm(capacity, policy=make_policy(policy, **_block_params(policy, bt)))
     if name.startswith("sglang-stock"):
         from kvplug.replay.sglang_stock import SGLangStockArm
 
         return SGLangStockArm(capacity, policy=name.partition(":")[2] or "lru")
-    params = {"tokens_per_block": bt} if name in ("cost", "gdsf") else {}
-    arm = KVPlugArm(name, make_policy(name, **params), capacity)
+    arm = KVPlugArm(name, make_policy(name, **_block_params(name, bt)), capacity)
     if isinstance(arm.cache.policy, BeladyPolicy):
         arm.cache.policy.set_oracle(future_uses(jobs, arm, sequential))
     return arm
+
+
+def _block_params(policy: str, bt: int) -> dict[str, int]:
+    """`tokens_per_block` for a policy that values blocks by their tokens: a trace block
+    stands for `bt` tokens, though each replay cache block holds one unit."""
+    accepts = signature(policy_class(policy)).parameters
+    return {"tokens_per_block": bt} if "tokens_per_block" in accepts else {}
 
 
 def future_uses(jobs: list[Job], arm: KVPlugArm, sequential: bool) -> Callable[[Node, int], float]:
