@@ -10,8 +10,9 @@ classes mislead never does worse than LRU:
   the learned credit, the other by release order (LRU).
 - Each counts the prefill value of its hits, decayed by half every `window` sampled
   accesses. While the LRU shadow is ahead by more than `margin`, the real cache ranks
-  new releases LRU-like (a constant credit, the running mean of learned credits, so the
-  two kinds of rank stay on one scale); otherwise it ranks them by the learned credit.
+  new releases in release order (`L` plus the running mean of learned credits, never
+  below the last such rank, so the two kinds of rank stay on one scale); otherwise it
+  ranks them by the learned credit.
 
 Everything is O(log n) per operation; the shadows add one dict operation and at most one
 heap operation per sampled access. `explain()` returns the learned state: the mode, the
@@ -48,6 +49,7 @@ class LearnedPolicy(CostPolicy):
         self.use_learned = True
         self.switches = 0
         self._mean_credit = 1.0
+        self._lru_rank = 0.0  # the last rank given in LRU mode
         self._sampled_accesses = 0
         self._learned = ShadowCache(1, lambda shadow, credit: shadow.floor + credit)
         self._lru = ShadowCache(1, lambda shadow, credit: 0.0)
@@ -60,15 +62,16 @@ class LearnedPolicy(CostPolicy):
             self.window = max(64, 2 * capacity)
 
     def rank(self, node: Node) -> float:
-        cls = self.classify(node)
-        self._trial[node.serial] = cls
-        frequency = 1 + min(node.hits, 3)
-        credit = frequency * self.reuse_probability(cls) * self.value(node)
+        credit = self.credit(node)
         self._mean_credit += (credit - self._mean_credit) / 1024
         if sampled(node.key, self.sample_shift):
             self._learned.release(node.key, credit)
             self._lru.release(node.key, 0.0)
-        return self.inflation + (credit if self.use_learned else self._mean_credit)
+        if self.use_learned:
+            return self.inflation + credit
+        # release order: never below an earlier LRU-like rank, though the mean moves
+        self._lru_rank = max(self._lru_rank, self.inflation + self._mean_credit)
+        return self._lru_rank
 
     def insert(self, node: Node) -> None:
         super().insert(node)

@@ -10,7 +10,7 @@ import click
 
 from kvplug.core.model_spec import DEFAULT_MODEL, load_model
 from kvplug.replay.loop import Timing
-from kvplug.replay.report import FORMATS, plot, render
+from kvplug.replay.report import FORMATS, explanations, plot, render
 from kvplug.replay.runner import check_arm_names, run_replay
 from kvplug.replay.synthetic import synthetic_trace
 from kvplug.replay.trace import FORMATS as TRACE_FORMATS
@@ -67,6 +67,7 @@ def _run(
     prefill_tps: float,
     decode_tps: float,
     quiet: bool,
+    explain: bool = False,
 ) -> None:
     """Replay `trace` through `arms`, print the report, write the plot."""
     spec = load_model(model)
@@ -89,6 +90,8 @@ def _run(
             f"cost model {spec.name}\n"
         )
     click.echo(render(rows, fmt))
+    if explain and fmt == "table":
+        click.echo("\n" + explanations(rows))
     if plot_path:
         path = plot(rows, plot_path, f"{trace.name} ({mode})")
         click.echo(f"\nplot: {path}", err=fmt != "table")
@@ -153,12 +156,18 @@ def _with_common(fn):
     help="Default: detected from the first line.",
 )
 @click.option("--plot", "plot_path", default=None, help="Write saved compute vs capacity here.")
+@click.option(
+    "--explain",
+    is_flag=True,
+    help="After the table, each learning policy's state (JSON lines; json output has it "
+    "in each row).",
+)
 @_with_common
 def replay(trace: str, policies: str, trace_format: str | None, plot_path, **options) -> None:
     """Replay TRACE through several eviction policies and cache sizes.
 
-    TRACE is a Mooncake or Bailian JSON-lines file, or synthetic:NAME with NAME one of
-    system-prompts, multi-turn, agent-loop, mixed.
+    TRACE is a Mooncake or Bailian JSON-lines file, or synthetic:NAME[:SEED] with NAME one
+    of system-prompts, multi-turn, agent-loop, multi-adapter, conversations, mixed.
     """
     arms = [a.strip() for a in policies.split(",") if a.strip()]
     check_arm_names(arms)  # before reading a large trace

@@ -46,6 +46,7 @@ class ReplayRow:
     waited: int = 0
     rejected: int = 0
     seconds: float = 0.0
+    explain: dict | None = None  # the policy's learned state, for policies with `explain()`
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -158,11 +159,17 @@ def run_replay(
                 waited=c.waited,
                 rejected=c.rejected,
                 seconds=c.seconds,
+                explain=_explain(arm),
             )
             rows.append(row)
             if progress:
                 progress(f"{name} @ {capacity} blocks: {row.seconds:.1f} s")
     return rows
+
+
+def _explain(arm: CacheArm) -> dict | None:
+    explain = getattr(getattr(getattr(arm, "cache", None), "policy", None), "explain", None)
+    return explain() if callable(explain) else None
 
 
 def _clock(arm: CacheArm) -> Callable[[Job], None] | None:
