@@ -124,7 +124,7 @@ def test_cost_ghosts_give_back_credit() -> None:
 
 
 def test_learned_keeps_cost_s_lesson_when_the_shadows_agree() -> None:
-    cache, hits = _follow_up_hits(LearnedPolicy(tokens_per_block=512, sample_shift=0))
+    cache, hits = _follow_up_hits(LearnedPolicy(tokens_per_block=512, window=64))
     assert hits >= 90 and cache.policy.use_learned
     state = cache.policy.explain()
     assert state["ranking"] == "learned" and state["classes"]

@@ -6,14 +6,17 @@ The ranking is `cost`'s GreedyDual rule, `L + credit` with `credit = (1 + min(re
 classes mislead never does worse than LRU:
 
 - Two shadow caches (`ShadowCache`) replay the same accesses and releases on a sample of
-  the keys (one in `2**sample_shift`), each with that share of the capacity. One ranks by
-  the learned credit, the other by release order (LRU).
+  the keys (one in `2**sample_shift`, the largest power of two that leaves each shadow at
+  least `shadow_blocks` blocks), each with that share of the capacity. One ranks by the
+  learned credit, the other by release order (LRU).
 - Each counts the prefill value of its hits, decayed by half every `window` sampled
-  accesses. While the LRU shadow is ahead by more than `margin`, the real cache ranks
-  new releases in release order (`L` plus the running mean of learned credits, never
-  below the last such rank, so the two kinds of rank stay on one scale); otherwise it
-  ranks them by the learned credit.
+  accesses (by default eight shadow capacities: short windows flip on noise). While the
+  LRU shadow is ahead by more than `margin`, the real cache ranks new releases in release
+  order (`L` plus the running mean of learned credits, never below the last such rank, so
+  the two kinds of rank stay on one scale); otherwise it ranks them by the learned credit.
 
+The shadows ignore the prefix tree (a deep block can hit while its parent missed), so
+they referee gross differences, not fine ones; the replay table says where that matters.
 Everything is O(log n) per operation; the shadows add one dict operation and at most one
 heap operation per sampled access. `explain()` returns the learned state: the mode, the
 shadows' scores and the class table.
@@ -38,12 +41,13 @@ class LearnedPolicy(CostPolicy):
         model: str | None = None,
         tokens_per_block: int | None = None,
         ghost_ratio: float = 2.0,
-        sample_shift: int = 3,
+        shadow_blocks: int = 1024,
         window: int = 0,
         margin: float = 0.0,
     ) -> None:
         super().__init__(model, tokens_per_block, ghost_ratio)
-        self.sample_shift = sample_shift
+        self.shadow_blocks = shadow_blocks
+        self.sample_shift = 0  # set by `bind`: sample one key in 2**sample_shift
         self.window = window
         self.margin = margin
         self.use_learned = True
@@ -56,10 +60,11 @@ class LearnedPolicy(CostPolicy):
 
     def bind(self, block_size: int, num_blocks: int) -> None:
         super().bind(block_size, num_blocks)
+        self.sample_shift = max(0, (num_blocks // max(1, self.shadow_blocks)).bit_length() - 1)
         capacity = max(1, num_blocks >> self.sample_shift)
         self._learned.capacity = self._lru.capacity = capacity
         if not self.window:
-            self.window = max(64, 2 * capacity)
+            self.window = max(256, 8 * capacity)
 
     def rank(self, node: Node) -> float:
         credit = self.credit(node)
