@@ -17,8 +17,9 @@ BlockKey = bytes
 
 
 def sampled(key: BlockKey, rate_shift: int) -> bool:
-    """Whether `key` (a uniform hash) is in the sample of one key in 2**rate_shift."""
-    return key[-1] & ((1 << rate_shift) - 1) == 0
+    """Whether `key` is in the sample of one key in 2**rate_shift. Keys are hashes, so
+    their first byte is uniform (vLLM's keys with a group id end in that id instead)."""
+    return key[0] & ((1 << rate_shift) - 1) == 0
 
 
 class ShadowCache:
