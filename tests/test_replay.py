@@ -6,9 +6,11 @@ import dataclasses
 import json
 import os
 import re
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -17,7 +19,7 @@ from kvplug.core.model_spec import PRESETS, ModelSpec, kv_budget, load_model
 from kvplug.errors import ConfigError, KVPlugError, UnknownPolicyError
 from kvplug.policies import make_policy
 from kvplug.replay.arms import FRESH_UNIT_BASE, KVPlugArm
-from kvplug.replay.cli import bundled_trace_path
+from kvplug.replay.cli import bundled_trace_path, load_trace
 from kvplug.replay.loop import Timing, make_jobs, replay
 from kvplug.replay.runner import run_replay
 from kvplug.replay.synthetic import SYNTHETIC_NAMES, synthetic_trace
@@ -94,7 +96,64 @@ def test_write_then_read_round_trips(tmp_path) -> None:
     assert [r.input_length for r in again.requests] == [r.input_length for r in trace.requests]
 
 
+def test_bailian_conversations_follow_parent_chat_ids(tmp_path) -> None:
+    row = {
+        "chat_id": 1, "parent_chat_id": -1, "timestamp": 1.0, "input_length": 20,
+        "output_length": 5, "type": "text", "turn": 1, "hash_ids": [1, 2],
+    }  # fmt: skip
+    rows = [row, {**row, "chat_id": 2}, {**row, "chat_id": 3, "parent_chat_id": 1, "turn": 2}]
+    trace = read_trace(_write(tmp_path, rows))
+    assert [(r.session, r.turn) for r in trace.requests] == [("1", 1), ("2", 1), ("1", 2)]
+
+
+def test_write_bailian_splits_blocks_and_chains_turns(tmp_path) -> None:
+    trace = synthetic_trace("conversations", duration=120)
+    again = read_trace(write_trace(trace, tmp_path / "b.jsonl", fmt="bailian"))
+    assert again.block_tokens == 16 and len(again.requests) == len(trace.requests)
+    assert [r.turn for r in again.requests] == [r.turn for r in trace.requests]
+    chats: dict[str, str] = {}  # the written conversations are the generated ones
+    for old, new in zip(trace.requests, again.requests, strict=True):
+        assert chats.setdefault(old.session, new.session) == new.session
+        assert len(new.hash_ids) == -(-old.input_length // 16)
+    assert len(set(chats.values())) == len(chats)
+
+
 # ---------------------------------------------------------------- synthetic workloads
+
+
+def test_multi_adapter_blocks_never_cross_adapters() -> None:
+    trace = synthetic_trace("multi-adapter", duration=300)
+    owner: dict[int, str] = {}
+    for r in trace.requests:
+        for h in r.hash_ids:
+            assert owner.setdefault(h, r.session) == r.session
+    popularity = Counter(r.session for r in trace.requests).most_common()
+    assert len(popularity) > 10 and popularity[0][1] > 5 * popularity[-1][1]
+
+
+def test_conversation_turns_extend_their_history() -> None:
+    trace = synthetic_trace("conversations", duration=600)
+    last: dict[str, TraceRequest] = {}
+    gaps = []
+    for r in trace.requests:
+        before = last.get(r.session)
+        assert r.turn == (before.turn + 1 if before else 1)
+        if before:
+            full = before.input_length // 512
+            assert r.hash_ids[:full] == before.hash_ids[:full]
+            gaps.append(r.arrival - before.arrival)
+        last[r.session] = r
+    gaps.sort()
+    assert 10 < gaps[len(gaps) // 2] < 120 and gaps[-1] > 300  # think times, and long pauses
+
+
+def test_synthetic_source_takes_a_seed() -> None:
+    assert (
+        load_trace("synthetic:agent-loop:5").requests
+        == synthetic_trace("agent-loop", seed=5).requests
+    )
+    with pytest.raises(click.BadParameter):
+        load_trace("synthetic:agent-loop:x")
 
 
 @pytest.mark.parametrize("name", SYNTHETIC_NAMES)
@@ -436,7 +495,8 @@ def test_ab_runs_on_the_bundled_trace(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     assert {r["policy"] for r in rows} == {
-        "cost", "lru", "belady", "vllm-stock", "vllm-kvplug:cost", "sglang-stock:lru"
+        "cost", "lru", "belady", "vllm-stock", "vllm-kvplug:cost", "sglang-stock:lru",
+        "sglang-kvplug:cost",
     }  # fmt: skip
     _check_by_hand(rows)
 

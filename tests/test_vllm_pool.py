@@ -33,7 +33,7 @@ from kvplug.replay.vllm_stock import VLLMStockArm  # noqa: E402
 from kvplug.vllm.block_pool import KVPlugBlockPool  # noqa: E402
 
 F = FRESH_UNIT_BASE
-ONLINE_POLICIES = ["lru", "lfu", "gdsf", "cost"]
+ONLINE_POLICIES = ["lru", "lfu", "gdsf", "cost", "learned"]
 
 admit_ops = st.tuples(
     st.just("admit"), st.integers(0, 2), st.integers(1, 8), st.lists(st.integers(0, 5), max_size=3)

@@ -23,13 +23,15 @@ from kvplug.policies.base import EvictionPolicy
 from kvplug.policies.belady import BeladyPolicy
 from kvplug.policies.cost import CostPolicy
 from kvplug.policies.gdsf import GDSFPolicy
+from kvplug.policies.learned import LearnedPolicy
 from kvplug.policies.lfu import LFUPolicy
 from kvplug.policies.lru import LRUPolicy
 
 ENTRY_POINT_GROUP = "kvplug.policies"
 
 _BUILTIN: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LRUPolicy, LFUPolicy, GDSFPolicy, CostPolicy, BeladyPolicy)
+    cls.name: cls
+    for cls in (LRUPolicy, LFUPolicy, GDSFPolicy, CostPolicy, LearnedPolicy, BeladyPolicy)
 }
 
 

@@ -81,11 +81,15 @@ class CostPolicy(RankedPolicy):
             return (min(hits, 3), output)
         return (0, min(node.from_end, 3), int(node.request_hit), output)
 
-    def rank(self, node: CachedNode) -> float:
+    def credit(self, node: CachedNode) -> float:
+        """GreedyDual's credit for `node`, opening its class's trial."""
         cls = self.classify(node)
         self._trial[node.serial] = cls
         frequency = 1 + min(node.hits, 3)
-        return self.inflation + frequency * self.reuse_probability(cls) * self.value(node)
+        return frequency * self.reuse_probability(cls) * self.value(node)
+
+    def rank(self, node: CachedNode) -> float:
+        return self.inflation + self.credit(node)
 
     def insert(self, node: CachedNode) -> None:
         ghost = self._ghosts.pop(node.key, None)

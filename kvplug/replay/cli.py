@@ -14,7 +14,7 @@ from kvplug.fleet.report import render as render_fleet
 from kvplug.fleet.router import DEFAULT_LOAD_PENALTY, ROUTERS, check_router_names
 from kvplug.fleet.runner import check_fleet_policies, run_fleet
 from kvplug.replay.loop import Timing
-from kvplug.replay.report import FORMATS, plot, render
+from kvplug.replay.report import FORMATS, explanations, plot, render
 from kvplug.replay.runner import check_arm_names, run_replay
 from kvplug.replay.synthetic import synthetic_trace
 from kvplug.replay.trace import FORMATS as TRACE_FORMATS
@@ -31,9 +31,12 @@ def bundled_trace_path() -> Path:
 
 
 def load_trace(source: str, fmt: str | None = None) -> Trace:
-    """A trace file, or ``synthetic:NAME`` for a seeded synthetic workload."""
+    """A trace file, or ``synthetic:NAME[:SEED]`` for a seeded synthetic workload."""
     if source.startswith("synthetic:"):
-        return synthetic_trace(source.partition(":")[2])
+        name, _, seed = source.partition(":")[2].partition(":")
+        if seed and not seed.isdigit():
+            raise click.BadParameter(f"synthetic seed must be an integer, got {seed!r}")
+        return synthetic_trace(name, seed=int(seed or 0))
     return read_trace(source, fmt)
 
 
@@ -70,6 +73,7 @@ def _run(
     decode_tps: float,
     quiet: bool,
     fleet: FleetSpec | None = None,
+    explain: bool = False,
 ) -> None:
     """Replay `trace` through `arms` (or, with `fleet`, through fleets running those
     policies), print the report, write the plot."""
@@ -102,6 +106,8 @@ def _run(
             f"cost model {spec.name}\n"
         )
     click.echo(report)
+    if explain and fleet is None and fmt == "table":
+        click.echo("\n" + explanations(rows))
     if plot_path:
         path = plot(rows, plot_path, f"{trace.name} ({mode})")
         click.echo(f"\nplot: {path}", err=fmt != "table")
@@ -202,6 +208,12 @@ def _with_common(fn):
     show_default=True,
     help="Fleet replay: the cache-aware router's weight on load against prefix share.",
 )
+@click.option(
+    "--explain",
+    is_flag=True,
+    help="After the table, each learning policy's state (JSON lines; json output has it "
+    "in each row).",
+)
 @_with_common
 @click.pass_context
 def replay(
@@ -218,8 +230,8 @@ def replay(
 ) -> None:
     """Replay TRACE through several eviction policies and cache sizes.
 
-    TRACE is a Mooncake or Bailian JSON-lines file, or synthetic:NAME with NAME one of
-    system-prompts, multi-turn, agent-loop, mixed.
+    TRACE is a Mooncake or Bailian JSON-lines file, or synthetic:NAME[:SEED] with NAME one
+    of system-prompts, multi-turn, agent-loop, multi-adapter, conversations, mixed.
 
     With --engines N: the fleet replay. Each request goes to one of N engines, chosen by
     the router from the engines' KV events and loads; capacities are the fleet's total.

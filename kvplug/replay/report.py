@@ -18,11 +18,21 @@ def render(rows: list[ReplayRow], fmt: str) -> str:
         return json.dumps([r.as_dict() for r in rows], indent=2)
     if fmt == "csv":
         out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=list(rows[0].as_dict()))
+        fields = [f for f in rows[0].as_dict() if f != "explain"]
+        writer = csv.DictWriter(out, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(r.as_dict() for r in rows)
         return out.getvalue()
     return table(rows)
+
+
+def explanations(rows: list[ReplayRow]) -> str:
+    """Each arm's learned state (policies with `explain()`), one JSON line per run."""
+    return "\n".join(
+        json.dumps({"arm": r.policy, "capacity_blocks": r.capacity_blocks, **r.explain})
+        for r in rows
+        if r.explain is not None
+    )
 
 
 def table(rows: list[ReplayRow]) -> str:

@@ -16,11 +16,12 @@ from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from inspect import signature
 
 from kvplug.core.index import Node
 from kvplug.core.model_spec import ModelSpec
 from kvplug.errors import KVPlugError, UnknownPolicyError
-from kvplug.policies import EvictionPolicy, available_policies, make_policy
+from kvplug.policies import EvictionPolicy, available_policies, make_policy, policy_class
 from kvplug.policies.belady import BeladyPolicy
 from kvplug.replay.arms import ArmUnavailable, CacheArm, KVPlugArm
 from kvplug.replay.loop import Job, Timing, make_jobs, replay
@@ -47,6 +48,7 @@ class ReplayRow:
     waited: int = 0
     rejected: int = 0
     seconds: float = 0.0
+    explain: dict | None = None  # the policy's learned state, for policies with `explain()`
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -70,8 +72,14 @@ def check_arm_names(names: list[str]) -> None:
 def arm_policy(name: str, block_tokens: int) -> EvictionPolicy:
     """A fresh instance of the kvplug policy `name`, its cost model told `block_tokens` tokens
     per unit where it has one."""
-    params = {"tokens_per_block": block_tokens} if name in ("cost", "gdsf") else {}
-    return make_policy(name, **params)
+    return make_policy(name, **policy_params(name, block_tokens))
+
+
+def policy_params(policy: str, block_tokens: int) -> dict[str, int]:
+    """`tokens_per_block` for a policy that values blocks by their tokens: a trace block
+    stands for `block_tokens` tokens, though each replay cache block holds one unit."""
+    accepts = signature(policy_class(policy)).parameters
+    return {"tokens_per_block": block_tokens} if "tokens_per_block" in accepts else {}
 
 
 def build_arm(
@@ -90,8 +98,7 @@ def build_arm(
         from kvplug.replay.sglang_kvplug import SGLangKVPlugArm
 
         policy = name.partition(":")[2]
-        params = {"tokens_per_block": block_tokens} if policy in ("cost", "gdsf") else {}
-        return SGLangKVPlugArm(capacity, policy, policy_config=params)
+        return SGLangKVPlugArm(capacity, policy, policy_config=policy_params(policy, block_tokens))
     if name.startswith("sglang-stock"):
         from kvplug.replay.sglang_stock import SGLangStockArm
 
@@ -166,11 +173,17 @@ def run_replay(
                 waited=c.waited,
                 rejected=c.rejected,
                 seconds=c.seconds,
+                explain=_explain(arm),
             )
             rows.append(row)
             if progress:
                 progress(f"{name} @ {capacity} blocks: {row.seconds:.1f} s")
     return rows
+
+
+def _explain(arm: CacheArm) -> dict | None:
+    explain = getattr(getattr(getattr(arm, "cache", None), "policy", None), "explain", None)
+    return explain() if callable(explain) else None
 
 
 def _clock(arm: CacheArm) -> Callable[[Job], None] | None:

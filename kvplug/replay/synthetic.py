@@ -6,7 +6,13 @@
   and a new message, after a human think time. Reuse is deep, long-gapped and per chat.
 - ``agent-loop``: agents behind one long shared tool prompt that append tool output and
   a short model step, seconds apart. Reuse is deep, frequent and fast-growing.
-- ``mixed``: all three at once.
+- ``multi-adapter``: many LoRA adapters with Zipf popularity, each with its own system
+  prompt. A block computed under one adapter is not a hit under another, so each adapter
+  has its own ids; popular adapters' prompts are reused, the tail's rarely.
+- ``conversations``: chats with conversation ids and turn numbers (as Alibaba's Bailian
+  traces carry them): each turn resends the history, after a log-normal think time
+  (median 30 s, long tail) or, one time in five, a long pause (median 10 minutes).
+- ``mixed``: the first three at once (the bundled trace).
 
 Blocks hold `BLOCK_TOKENS` tokens and get fresh ids for fresh content, so ids are
 prefix-chained like Mooncake's.
@@ -56,10 +62,19 @@ class _Context:
         return TraceRequest(0.0, self.tokens, 0, tuple(self.blocks))
 
 
-def _request(context: _Context, extra: int, ids: _BlockIds, at: float, output: int) -> TraceRequest:
-    """`context` extended by `extra` fresh tokens, sent at `at` for `output` tokens."""
+def _request(
+    context: _Context,
+    extra: int,
+    ids: _BlockIds,
+    at: float,
+    output: int,
+    session: str = "",
+    turn: int = 0,
+) -> TraceRequest:
+    """`context` extended by `extra` fresh tokens, sent at `at` for `output` tokens, as
+    turn `turn` of `session` (none by default)."""
     extended = context.extend(extra, ids)
-    return TraceRequest(at, extended.input_length, output, extended.hash_ids)
+    return TraceRequest(at, extended.input_length, output, extended.hash_ids, session, turn)
 
 
 # A workload: (rng, duration s, rate per s, ids) -> its requests, in any order.
@@ -118,11 +133,52 @@ def agent_loop(
     return requests
 
 
+def multi_adapter(
+    rng: random.Random, duration: float, rate: float, ids: _BlockIds
+) -> list[TraceRequest]:
+    adapters = 64
+    weights = [1 / (k + 1) ** 1.2 for k in range(adapters)]
+    prompts: dict[int, _Context] = {}  # built when an adapter is first used
+    out, t = [], 0.0
+    while (t := t + rng.expovariate(rate)) < duration:
+        adapter = rng.choices(range(adapters), weights)[0]
+        if adapter not in prompts:
+            prompts[adapter] = _Context()
+            prompts[adapter].extend(rng.randint(2, 12) * BLOCK_TOKENS, ids)
+        base = prompts[adapter]
+        context = _Context(list(base.blocks), base.tokens)
+        question = rng.randint(50, 2500)
+        out.append(_request(context, question, ids, t, rng.randint(20, 400), f"adapter-{adapter}"))
+    return out
+
+
+def conversations(
+    rng: random.Random, duration: float, rate: float, ids: _BlockIds
+) -> list[TraceRequest]:
+    out, t, chats = [], 0.0, 0
+    while (t := t + rng.expovariate(rate / 3)) < duration:  # about 3 turns per chat
+        context, at, last_answer, chats = _Context(), t, 0, chats + 1
+        system = rng.randint(1, 4) * BLOCK_TOKENS if rng.random() < 0.5 else 0
+        for turn in range(1, 41):
+            message = system + last_answer + rng.randint(30, 1500)
+            system, answer = 0, rng.randint(50, 800)
+            out.append(_request(context, message, ids, at, answer, f"chat-{chats}", turn))
+            if at >= duration or rng.random() < 0.3:
+                break
+            pause = rng.lognormvariate(6.4, 0.8) if rng.random() < 0.2 else 0.0
+            at += answer / 40.0 + rng.lognormvariate(3.4, 0.9) + pause
+            last_answer = answer
+    return [r for r in out if r.arrival < duration]
+
+
 GENERATORS: dict[str, WorkloadGenerator] = {
     "system-prompts": system_prompts,
     "multi-turn": multi_turn,
     "agent-loop": agent_loop,
+    "multi-adapter": multi_adapter,
+    "conversations": conversations,
 }
+MIXED = ("system-prompts", "multi-turn", "agent-loop")
 
 
 def synthetic_trace(
@@ -134,7 +190,7 @@ def synthetic_trace(
             f"unknown synthetic workload {name!r}; accepted: {', '.join(GENERATORS)}, mixed"
         )
     rng, ids = random.Random(seed), _BlockIds()
-    names = list(GENERATORS) if name == "mixed" else [name]
+    names = list(MIXED) if name == "mixed" else [name]
     requests = []
     for part in names:
         requests += GENERATORS[part](rng, duration, rate / len(names), ids)

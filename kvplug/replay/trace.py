@@ -6,7 +6,9 @@ A trace names each prompt's blocks by id instead of carrying tokens:
   one id per 512-token block. Ids are prefix-chained: the same id means the same block
   *and* the same whole prefix before it, so an id always follows the same parent.
 - Bailian: ``{"chat_id", "parent_chat_id", "timestamp": s, "input_length",
-  "output_length", "type", "turn", "hash_ids"}``, one id per 16-token block.
+  "output_length", "type", "turn", "hash_ids"}``, one id per 16-token block. `chat_id`
+  names the request and `parent_chat_id` the previous turn of its conversation (-1 for a
+  first turn); a request's `session` is the chat id of its conversation's first turn.
 
 Every problem is a `TraceError` naming the line and what is wrong.
 """
@@ -59,6 +61,7 @@ class TraceRequest:
     output_length: int
     hash_ids: tuple[int, ...]
     session: str = ""  # conversation or chat id, when the trace has one
+    turn: int = 0  # the request's turn in its conversation (1 = first), when known
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ def read_trace(path: str | Path, fmt: str | None = None) -> Trace:
         raise TraceError(f"cannot read trace {str(path)!r}: {exc.strerror or exc}") from None
     requests: list[TraceRequest] = []
     parents: dict[int, tuple[int | None, int]] = {}  # id -> (parent id, line first seen)
+    conversation: dict[str, str] = {}  # Bailian chat id -> its conversation's first chat id
     start: float | None = None
     last_time = float("-inf")
     for lineno, line in enumerate(lines, 1):
@@ -137,9 +141,14 @@ def read_trace(path: str | Path, fmt: str | None = None) -> Trace:
             )
         if fmt == "mooncake":
             _check_chain(ids, parents, where, lineno)
-        session = str(row.get("chat_id", "")) if fmt == "bailian" else ""
+        session, turn = "", 0
+        if fmt == "bailian":
+            chat = str(row["chat_id"])
+            parent = str(row.get("parent_chat_id", -1))
+            session = conversation[chat] = conversation.get(parent, chat)
+            turn = _count(row.get("turn", 0), "turn", where, minimum=0)
         requests.append(
-            TraceRequest(seconds - start, input_length, output_length, tuple(ids), session)
+            TraceRequest(seconds - start, input_length, output_length, tuple(ids), session, turn)
         )
     if not requests:
         raise TraceError(f"{path}: the trace has no requests")
@@ -175,21 +184,41 @@ def _count(value: object, name: str, where: str, minimum: int) -> int:
     return value
 
 
-def write_trace(trace: Trace, path: str | Path) -> Path:
-    """Write `trace` as Mooncake JSON lines (timestamps in ms). Needs 512-token blocks."""
-    mooncake_tokens = BLOCK_TOKENS["mooncake"]
-    if trace.block_tokens != mooncake_tokens:
+def write_trace(trace: Trace, path: str | Path, fmt: str = "mooncake") -> Path:
+    """Write `trace` as JSON lines: Mooncake (timestamps in ms; needs 512-token blocks) or
+    Bailian (timestamps in s; each block id becomes one id per 16 tokens, and requests
+    with the same `session` are chained as turns of one conversation)."""
+    if fmt not in FORMATS:
+        raise TraceError(f"unknown trace format {fmt!r}; accepted: {', '.join(FORMATS)}")
+    if fmt == "mooncake" and trace.block_tokens != BLOCK_TOKENS["mooncake"]:
         raise TraceError(
-            f"Mooncake traces use {mooncake_tokens}-token blocks, not {trace.block_tokens}"
+            f"Mooncake traces use {BLOCK_TOKENS['mooncake']}-token blocks, not {trace.block_tokens}"
         )
+    if trace.block_tokens % BLOCK_TOKENS["bailian"]:
+        raise TraceError(f"blocks of {trace.block_tokens} tokens cannot be split into 16s")
     path = Path(path)
+    last_chat: dict[str, int] = {}  # session -> chat id of its latest turn
     with path.open("w", encoding="utf-8") as out:
-        for request in trace.requests:
-            row = {
-                "timestamp": round(request.arrival * 1000),
-                "input_length": request.input_length,
-                "output_length": request.output_length,
-                "hash_ids": list(request.hash_ids),
-            }
+        for chat_id, request in enumerate(trace.requests):
+            if fmt == "mooncake":
+                row: dict = {"timestamp": round(request.arrival * 1000)}
+            else:
+                parent = last_chat.get(request.session, -1) if request.session else -1
+                if request.session:
+                    last_chat[request.session] = chat_id
+                row = {"chat_id": chat_id, "parent_chat_id": parent, "timestamp": request.arrival}
+                row |= {"type": "text", "turn": request.turn or 1}
+            row["input_length"] = request.input_length
+            row["output_length"] = request.output_length
+            row["hash_ids"] = _split_ids(request, trace.block_tokens, BLOCK_TOKENS[fmt])
             out.write(json.dumps(row) + "\n")
     return path
+
+
+def _split_ids(request: TraceRequest, block_tokens: int, tokens: int) -> list[int]:
+    """The request's ids for blocks of `tokens` tokens: block id b becomes b*k .. b*k+k-1."""
+    k = block_tokens // tokens
+    if k == 1:
+        return list(request.hash_ids)
+    ids = [h * k + j for h in request.hash_ids for j in range(k)]
+    return ids[: -(-request.input_length // tokens)]

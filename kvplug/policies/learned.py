@@ -1,0 +1,113 @@
+"""`learned`: the `cost` policy's online reuse classes, refereed by a sampled duel with LRU.
+
+The ranking is `cost`'s GreedyDual rule, `L + credit` with `credit = (1 + min(reuses, 3))
+* P(reuse | class) * value`, where `P` is learned per class from hits and ghost returns
+(see `kvplug.policies.cost`). What `learned` adds is a referee, so that a workload the
+classes mislead never does worse than LRU:
+
+- Two shadow caches (`ShadowCache`) replay the same accesses and releases on a sample of
+  the keys (one in `2**sample_shift`, the largest power of two that leaves each shadow at
+  least `shadow_blocks` blocks), each with that share of the capacity. One ranks by the
+  learned credit, the other by release order (LRU).
+- Each counts the prefill value of its hits, decayed by half every `window` sampled
+  accesses (by default eight shadow capacities: short windows flip on noise). While the
+  LRU shadow is ahead by more than `margin`, the real cache ranks new releases in release
+  order (`L` plus the running mean of learned credits, never below the last such rank, so
+  the two kinds of rank stay on one scale); otherwise it ranks them by the learned credit.
+
+The shadows ignore the prefix tree (a deep block can hit while its parent missed), so
+they referee gross differences, not fine ones; the replay table says where that matters.
+Everything is O(log n) per operation; the shadows add one dict operation and at most one
+heap operation per sampled access. `explain()` returns the learned state: the mode, the
+shadows' scores and the class table.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvplug.policies.cost import CostPolicy
+from kvplug.policies.shadow import ShadowCache, sampled
+
+if TYPE_CHECKING:
+    from kvplug.policies.node import CachedNode
+
+
+class LearnedPolicy(CostPolicy):
+    name = "learned"
+
+    def __init__(
+        self,
+        model: str | None = None,
+        tokens_per_block: int | None = None,
+        ghost_ratio: float = 2.0,
+        shadow_blocks: int = 1024,
+        window: int = 0,
+        margin: float = 0.0,
+    ) -> None:
+        super().__init__(model, tokens_per_block, ghost_ratio)
+        self.shadow_blocks = shadow_blocks
+        self.sample_shift = 0  # set by `bind`: sample one key in 2**sample_shift
+        self.window = window
+        self.margin = margin
+        self.use_learned = True
+        self.switches = 0
+        self._mean_credit = 1.0
+        self._lru_rank = 0.0  # the last rank given in LRU mode
+        self._sampled_accesses = 0
+        self._learned = ShadowCache(1, lambda shadow, credit: shadow.floor + credit)
+        self._lru = ShadowCache(1, lambda shadow, credit: 0.0)
+
+    def bind(self, block_size: int, num_blocks: int) -> None:
+        super().bind(block_size, num_blocks)
+        self.sample_shift = max(0, (num_blocks // max(1, self.shadow_blocks)).bit_length() - 1)
+        capacity = max(1, num_blocks >> self.sample_shift)
+        self._learned.capacity = self._lru.capacity = capacity
+        if not self.window:
+            self.window = max(256, 8 * capacity)
+
+    def rank(self, node: CachedNode) -> float:
+        credit = self.credit(node)
+        self._mean_credit += (credit - self._mean_credit) / 1024
+        if sampled(node.key, self.sample_shift):
+            self._learned.release(node.key, credit)
+            self._lru.release(node.key, 0.0)
+        if self.use_learned:
+            return self.inflation + credit
+        # release order: never below an earlier LRU-like rank, though the mean moves
+        self._lru_rank = max(self._lru_rank, self.inflation + self._mean_credit)
+        return self._lru_rank
+
+    def insert(self, node: CachedNode) -> None:
+        super().insert(node)
+        self._shadow_access(node)
+
+    def hit(self, node: CachedNode) -> None:
+        super().hit(node)
+        self._shadow_access(node)
+
+    def _shadow_access(self, node: CachedNode) -> None:
+        if not sampled(node.key, self.sample_shift):
+            return
+        value = self.value(node)
+        self._learned.access(node.key, value)
+        self._lru.access(node.key, value)
+        self._sampled_accesses += 1
+        if self._sampled_accesses % self.window == 0:
+            self._referee()
+
+    def _referee(self) -> None:
+        use_learned = self._learned.saved >= (1 - self.margin) * self._lru.saved
+        self.switches += use_learned != self.use_learned
+        self.use_learned = use_learned
+        self._learned.decay(0.5)
+        self._lru.decay(0.5)
+
+    def explain(self) -> dict[str, Any]:
+        """The learned state: which ranking is in use, the shadows' scores, the classes."""
+        return {
+            "ranking": "learned" if self.use_learned else "lru",
+            "switches": self.switches,
+            "shadow_saved": {"learned": self._learned.saved, "lru": self._lru.saved},
+            "classes": {str(cls): row for cls, row in sorted(self.learned().items())},
+        }
