@@ -141,8 +141,8 @@ def sglang_command(
 ) -> list[str]:
     """The command line of an SGLang server holding at most `max_total_tokens` of KV.
 
-    `cpu` (default: ``$SGLANG_USE_CPU_ENGINE`` is ``1``) adds SGLang's CPU device and its
-    pure-PyTorch attention backend. ``--enable-cache-report`` puts
+    `cpu` (default: ``$SGLANG_USE_CPU_ENGINE`` is ``1``) adds SGLang's CPU device, its
+    pure-PyTorch attention backend, and no CUDA graphs. ``--enable-cache-report`` puts
     ``prompt_tokens_details.cached_tokens`` in each response's usage.
     """
     if cpu is None:
@@ -157,10 +157,10 @@ def sglang_command(
         "--random-seed", str(seed),
         "--enable-metrics",
         "--enable-cache-report",
-        "--disable-cuda-graph",
     ]  # fmt: skip
     if cpu:
-        command += ["--device", "cpu", "--attention-backend", "torch_native"]
+        command += ["--device", "cpu", "--attention-backend", "torch_native",
+                    "--disable-cuda-graph"]  # fmt: skip
     return command + list(extra_args)
 
 
