@@ -257,6 +257,7 @@ def test_tenants_share_no_cached_state() -> None:
                 (row, slice(hits, len(prompt))), alloc_token_slots(cache, need)
             )
             req.kv.kv_allocated_len = req.kv.kv_committed_len = len(prompt)
+            req.cached_tokens = hits  # as SGLang's batch sets it when the prefill runs
             req.finished_reason = FINISH_LENGTH(length=0)
             release_kv_cache(req, cache, checkpoint=True)
         return hits

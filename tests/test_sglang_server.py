@@ -298,6 +298,8 @@ def test_kvplug_is_active_and_exports_its_metrics(runs, policy) -> None:
     grown = kvplug_settled(run).since(run.before)
     assert grown.get("kvplug_requests") == len(SESSION)
     assert grown.get("kvplug_prompt_tokens") == sum(r.prompt_tokens for r in run.replies)
+    # kvplug counts the cached tokens SGLang reports, request for request
+    assert grown.get("kvplug_matched_tokens") == sum(r.cached_tokens for r in run.replies)
     assert grown.get("kvplug_evictions") > 0  # the session overflowed the KV budget
 
 

@@ -51,9 +51,11 @@ PUBLISH_INTERVAL_S = 0.25
 
 class KVPlugRadixCache(UnifiedRadixCache):
     """SGLang's `UnifiedRadixCache`; each request's keys carry kvplug's namespace, and
-    kvplug's counters (``kvplug_stats``, its tree core's) count each request once, at its
-    first match, and reach ``/metrics`` through ``kvplug_exporter`` when SGLang's metrics
-    are on (at most every `PUBLISH_INTERVAL_S`)."""
+    kvplug's counters (``kvplug_stats``, its tree core's) count each request once, when it
+    finishes, with the cached tokens SGLang itself reports for it (``req.cached_tokens``,
+    so kvplug's and SGLang's counters agree), and reach ``/metrics`` through
+    ``kvplug_exporter`` when SGLang's metrics are on (at most every `PUBLISH_INTERVAL_S`).
+    """
 
     kvplug_namespace: RequestNamespace | None = None
     kvplug_model: ModelSpec | None = None
@@ -77,10 +79,13 @@ class KVPlugRadixCache(UnifiedRadixCache):
                     cache_salt=req.cache_salt,
                 ),
             )
-        result = super().match_prefix(params)
-        if first:
-            self._count_request(len(req.origin_input_ids), result.device_prefix_len)
-        return result
+        return super().match_prefix(params)
+
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        if req.finished() and not getattr(req, "kvplug_counted", False):
+            req.kvplug_counted = True  # a request is released once per retraction too
+            self._count_request(len(req.origin_input_ids), req.cached_tokens)
 
     def _count_request(self, prompt: int, matched: int) -> None:
         stats = self.kvplug_stats
