@@ -71,11 +71,10 @@ SUPPORTED_SGLANG_VERSION = "0.5.23"
 DEFAULT_MAX_RUNNING_REQUESTS = 1024
 
 
-def _check_sglang() -> None:
+def _check_sglang(arm: str) -> None:
     require_engine(
-        "sglang", "SGLang", SUPPORTED_SGLANG_VERSION, "sglang-stock",
-        "requirements/sglang-replay.txt",
-    )  # fmt: skip
+        "sglang", "SGLang", SUPPORTED_SGLANG_VERSION, arm, "requirements/sglang-replay.txt"
+    )
 
 
 def _check_native_hash() -> None:
@@ -125,7 +124,7 @@ class SGLangStockArm(CacheArm):
         *,
         max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
     ) -> None:
-        _check_sglang()
+        _check_sglang(self.arm_prefix)
         self._check_policy(policy)
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
