@@ -64,6 +64,7 @@ from vllm_server_util import (  # noqa: E402
 )
 
 from kvplug.core.model_spec import ModelSpec  # noqa: E402
+from kvplug.policies import available_policies  # noqa: E402
 from kvplug.tools.tiny_model import build_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.vllm_server
@@ -77,7 +78,8 @@ WORDS = [
     "old", "long", "cat", "dog", "bird", "tree", "river", "house", "city", "road", "light",
     "night", "day", "time", "year", "world", "people",
 ]  # fmt: skip
-POLICY_NAMES = "belady, cost, gdsf, lfu, lru"
+POLICY_NAMES = ", ".join(available_policies())  # every registered policy, sorted
+ONLINE_POLICY_NAMES = ", ".join(name for name in available_policies() if name != "belady")
 EXIT_TIMEOUT_S = 300.0  # a refused start still loads the model first (the scheduler comes last)
 
 
@@ -378,7 +380,7 @@ BAD_CONFIGS = [
         {"policy": "belady"},
         [
             r"policy 'belady' cannot run in a server: it needs every request in advance",
-            r"use it in kvplug replay\); accepted here: cost, gdsf, lfu, lru",
+            r"use it in kvplug replay\); accepted here: " + ONLINE_POLICY_NAMES,
         ],
         id="offline-policy",
     ),
