@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any
 
 from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -46,7 +45,6 @@ from kvplug.sglang.version import check_private_names, check_sglang_version
 logger = logging.getLogger("sglang.kvplug")
 
 BACKEND = "kvplug"  # the name of both the radix-cache and the tree-core backend
-PUBLISH_INTERVAL_S = 0.25
 
 
 class KVPlugRadixCache(UnifiedRadixCache):
@@ -54,14 +52,14 @@ class KVPlugRadixCache(UnifiedRadixCache):
     kvplug's counters (``kvplug_stats``, its tree core's) count each request once, when it
     finishes, with the cached tokens SGLang itself reports for it (``req.cached_tokens``,
     so kvplug's and SGLang's counters agree), and reach ``/metrics`` through
-    ``kvplug_exporter`` when SGLang's metrics are on (at most every `PUBLISH_INTERVAL_S`).
+    ``kvplug_exporter`` when SGLang's metrics are on, at every finish (a few memory-mapped
+    writes; a rate limit would leave the last request of a burst unpublished).
     """
 
     kvplug_namespace: RequestNamespace | None = None
     kvplug_model: ModelSpec | None = None
     kvplug_exporter: PrometheusExporter | None = None
     kvplug_stats: CacheStats
-    _published_at = 0.0
 
     def match_prefix(self, params: Any) -> Any:
         req = params.req
@@ -97,9 +95,7 @@ class KVPlugRadixCache(UnifiedRadixCache):
             stats.prompt_flops += model.prefill_flops(0, prompt)
             stats.saved_flops += model.prefill_flops(0, matched)
         exporter = self.kvplug_exporter
-        now = time.monotonic()
-        if exporter is not None and now - self._published_at >= PUBLISH_INTERVAL_S:
-            self._published_at = now
+        if exporter is not None:
             pages = len(self.tree_core.records)
             stats.cached_blocks = pages
             if model is not None:
