@@ -2,22 +2,30 @@
 
 The caches here are built by SGLang's own unit-test fixture
 (`sglang.test.kits.unified_radix_cache.fixtures.build_fixture`: real token, sliding-window
-and Mamba pools on the CPU) with kvplug's tree core and full-attention component, the
-same classes ``--radix-cache-backend kvplug`` installs, for four shapes: full attention
-at page size 1 and 4, full + sliding window, and full + Mamba.
+and Mamba pools on the CPU) with kvplug's tree core and components, the same classes
+``--radix-cache-backend kvplug`` installs, for four shapes: full attention at page size 1
+and 4, full + sliding window, and full + Mamba.
 
 Random sequences of SGLang's cache operations (insert, match and lock, unlock, evict) run
 on a stock cache (SGLang's ``lru``) and a kvplug cache side by side:
 
 - with ``kvplug-lru`` both caches return the same matches and evictions and hold the
-  same sizes in every component after every operation;
-- under every kvplug policy, kvplug's candidates stay SGLang's evictable leaves
-  (`KVPlugTreeCore.check_invariants`) and SGLang's own `sanity_check` passes.
+  same sizes in every component after every operation, and the sliding-window and Mamba
+  walks free the same states of the same nodes in the same order (internal nodes'
+  state included: a seeded run checks that such tombstones happen);
+- under every kvplug policy, kvplug's candidates stay SGLang's evictable leaves, each
+  ranked set's members the nodes holding its state (`KVPlugTreeCore.check_invariants`),
+  and SGLang's own `sanity_check` passes;
+- a non-lru policy (``cost``) changes the victims of every kind of state.
+
+The kvplug caches are built with kvplug's components for every kind of state
+(`kvplug_components`), which `build` asserts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 from array import array
 from typing import Any
 
@@ -104,7 +112,22 @@ def build(shape: str, policy: str) -> tuple[Any, Any, Any]:
         # The fixture asks SGLang for the accelerator; SGLang's own CPU switch
         # (SGLANG_USE_CPU_ENGINE) is read once at import, so the device is named here.
         patch.setattr(fixtures, "get_device", lambda: "cpu")
-        return build_fixture(cfg, **kvplug)
+        built = build_fixture(cfg, **kvplug)
+    if kvplug:  # every component of the cache is kvplug's
+        components = built[0].tree_core.components_by_type
+        assert {ct: type(c) for ct, c in components.items()} == {
+            ct: kvplug_components()[ct] for ct in cfg.components
+        }
+    return built
+
+
+def path(node: Any) -> tuple[int, ...]:
+    """A node's tokens from the root: the same node in two caches."""
+    parts = []
+    while node.parent is not None:
+        parts.append(node.key.token_ids[: len(node.key)].tolist())
+        node = node.parent
+    return tuple(token for part in reversed(parts) for token in part)
 
 
 class Driver:
@@ -114,6 +137,44 @@ class Driver:
         self.cfg = SHAPES[shape]
         self.cache, self.allocator, self.pool = build(shape, policy)
         self.locks: list[Any] = []
+        # Device states freed, in order: (the eviction walk's component, the freed
+        # state's component, the node's path).
+        self.freed: list[tuple[str, str, tuple[int, ...]]] = []
+        self.tombstones = 0  # SWA / Mamba states freed from nodes that stay in the tree
+        tree = self.cache.tree_core
+        evict_state, start_walk = tree._evict_component_and_detach_lru, tree.evict_device_start
+        walk = ["-"]
+
+        def logged(node: Any, comp: Any, *args: Any, **kwargs: Any) -> Any:
+            if node.component_data[comp.component_type].value is not None:
+                self.freed.append((walk[0], comp.component_type.name, path(node)))
+            return evict_state(node, comp, *args, **kwargs)
+
+        def started(component: Any, request_cnt: int) -> None:
+            walk[0] = component.name
+            start_walk(component, request_cnt)
+
+        # The tree's own calls find these first.
+        tree._evict_component_and_detach_lru = logged
+        tree.evict_device_start = started
+
+    def walk_frees(self) -> tuple[list[tuple], list[tuple]]:
+        """The SWA and Mamba walks' frees in order; the full-attention walk's sorted.
+
+        The full-attention walk is the eviction core's; within one call it may free
+        leaves in another order than SGLang's (a node unlocked after a newer leaf was
+        added ranks above it: kvplug ranks at release, SGLang at the last access)."""
+        ranked = [entry for entry in self.freed if entry[0] != "FULL"]
+        return ranked, sorted(entry for entry in self.freed if entry[0] == "FULL")
+
+    def holding(self, component: Any) -> dict[int, Any]:
+        """The nodes that hold `component`'s device state, by id."""
+        tree = self.cache.tree_core
+        return {
+            node.id: node
+            for node in tree._collect_all_nodes()
+            if node is not tree.root_node and node.component_data[component].value is not None
+        }
 
     def insert(self, tokens: list[int]) -> int:
         tokens = tokens[: len(tokens) // self.cfg.page_size * self.cfg.page_size]
@@ -138,13 +199,24 @@ class Driver:
         if self.locks:
             self.cache.unlock(self.locks.pop(pick % len(self.locks)))
 
-    def evict(self, amount: int) -> tuple[int, int, int]:
-        params = EvictParams(num_tokens=amount * self.cfg.page_size)
+    def evict(self, amount: int, full: bool = True) -> tuple[int, int, int]:
+        """SGLang's eviction for `amount` pages of full attention (if `full`), `amount`
+        sliding-window tokens and one Mamba state (`amount` without `full`)."""
+        params = EvictParams(num_tokens=amount * self.cfg.page_size if full else 0)
         if self.cfg.has_swa:
             params.swa_num_tokens = amount
         if self.cfg.has_mamba:
-            params.mamba_num = 1
+            params.mamba_num = 1 if full else amount
+        aux = [ct for ct in self.cache.tree_core.component_types if ct is not FULL]
+        before = {ct: set(self.holding(ct)) for ct in aux}
         result = self.cache.evict(params)
+        present = {node.id: node for node in self.cache.tree_core._collect_all_nodes()}
+        for ct in aux:
+            self.tombstones += sum(
+                1
+                for node_id in before[ct]
+                if node_id in present and present[node_id].component_data[ct].value is None
+            )
         return (
             result.num_tokens_evicted,
             getattr(result, "swa_num_tokens_evicted", 0),
@@ -182,6 +254,7 @@ op_list = st.lists(
         st.tuples(st.just("match"), st.integers(0, 2), st.integers(1, 12)),
         st.tuples(st.just("unlock"), st.integers(0, 7)),
         st.tuples(st.just("evict"), st.integers(1, 8)),
+        st.tuples(st.just("evict_state"), st.integers(1, 8)),
     ),
     max_size=24,
 )
@@ -190,13 +263,14 @@ op_list = st.lists(
 def apply(driver: Driver, bases: list[list[int]], op: tuple) -> Any:
     if op[0] == "insert":
         _, which, cut, tail = op
-        return driver.insert(bases[which % len(bases)][:cut] + [100 + tail] * 4)
+        suffix = [100 + tail] * 4 if tail < 7 else []  # none: a later insert may extend it
+        return driver.insert(bases[which % len(bases)][:cut] + suffix)
     if op[0] == "match":
         _, which, cut = op
         return driver.match_and_lock(bases[which % len(bases)][:cut])
     if op[0] == "unlock":
         return driver.unlock(op[1])
-    return driver.evict(op[1])
+    return driver.evict(op[1], full=op[0] == "evict")
 
 
 def check(driver: Driver) -> None:
@@ -204,15 +278,53 @@ def check(driver: Driver) -> None:
     driver.cache.sanity_check()
 
 
+def compare_lru(shape: str, bases: list[list[int]], ops: list[tuple]) -> tuple[Driver, Driver]:
+    """Run `ops` on a stock ``lru`` cache and a ``kvplug-lru`` one: after every operation
+    they return the same result, their SWA and Mamba walks have freed the same states of
+    the same nodes in the same order (and their full-attention walks the same ones), and
+    they hold the same sizes; kvplug's audit passes (with ``lru`` it checks
+    that each ranked set's order is SGLang's LRU list order)."""
+    stock, kvplug = Driver(shape, "lru"), Driver(shape, "kvplug-lru")
+    for op in ops:
+        assert apply(stock, bases, op) == apply(kvplug, bases, op), op
+        assert stock.walk_frees() == kvplug.walk_frees(), op
+        assert stock.sizes() == kvplug.sizes(), op
+        check(kvplug)
+    assert stock.tombstones == kvplug.tombstones
+    return stock, kvplug
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @settings(max_examples=15, deadline=None)
 @given(bases=st.lists(prefixes, min_size=1, max_size=3), ops=op_list)
 def test_kvplug_lru_matches_sglang_lru(shape: str, bases: list[list[int]], ops: list[tuple]):
-    stock, kvplug = Driver(shape, "lru"), Driver(shape, "kvplug-lru")
-    for op in ops:
-        assert apply(stock, bases, op) == apply(kvplug, bases, op), op
-        assert stock.sizes() == kvplug.sizes(), op
-        check(kvplug)
+    compare_lru(shape, bases, ops)
+
+
+def state_pressure_ops(rng: random.Random, n: int) -> list[tuple]:
+    """`n` operations like `op_list`'s whose evictions free only SWA / Mamba state (the
+    full-attention walk does not run: its order is not under test here)."""
+    draw = [
+        lambda: ("insert", rng.randrange(3), rng.randint(1, 12), rng.randrange(10)),
+        lambda: ("insert", rng.randrange(3), rng.randint(1, 12), rng.randrange(10)),
+        lambda: ("match", rng.randrange(3), rng.randint(1, 12)),
+        lambda: ("unlock", rng.randrange(8)),
+        lambda: ("evict_state", rng.randint(1, 8)),
+    ]
+    return [rng.choice(draw)() for _ in range(n)]
+
+
+@pytest.mark.parametrize("shape", ["full+swa", "full+mamba"])
+def test_kvplug_lru_tombstones_internal_state_as_sglang(shape: str) -> None:
+    """Under pressure, SWA / Mamba state is freed from internal nodes (tombstoned), and
+    kvplug-lru picks those victims exactly as SGLang's lru does."""
+    rng = random.Random(7)
+    tombstones = 0
+    for _ in range(8):
+        bases = [[rng.randint(1, 6) for _ in range(rng.randint(4, 12))] for _ in range(3)]
+        stock, _ = compare_lru(shape, bases, state_pressure_ops(rng, 40))
+        tombstones += stock.tombstones
+    assert tombstones > 0, "no internal state was tombstoned: raise the pressure"
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -246,3 +358,25 @@ def test_eviction_follows_the_policy(shape: str) -> None:
         driver.evict(1)
         check(driver)
         assert match_prefix(driver.cache, keeps).device_prefix_len == len(keeps), policy
+
+
+@pytest.mark.parametrize("shape, component", [("full+swa", "SWA"), ("full+mamba", "MAMBA")])
+def test_state_eviction_follows_the_policy(shape: str, component: str) -> None:
+    """A sequence inserted three times (SGLang counts a hit on each re-insert), then
+    another once: SGLang's lru and kvplug-lru take the older sequence's state first,
+    kvplug-cost the one reused less (the SWA or Mamba walk alone runs: no full-attention
+    eviction is asked)."""
+    older, newer = list(range(1, 13)), list(range(21, 25))
+    first_victims = {}
+    for policy in ("lru", "kvplug-lru", "kvplug-cost"):
+        driver = Driver(shape, policy)
+        for _ in range(3):
+            driver.insert(older)
+        driver.insert(newer)
+        driver.evict(1, full=False)
+        if policy != "lru":
+            check(driver)
+        walk, _, victim = driver.freed[0]  # a leaf victim is evicted whole, full first
+        assert walk == component, driver.freed
+        first_victims[policy] = victim[0]
+    assert first_victims == {"lru": older[0], "kvplug-lru": older[0], "kvplug-cost": newer[0]}

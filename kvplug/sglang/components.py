@@ -1,7 +1,8 @@
 """SGLang tree components that evict by kvplug's decision.
 
 SGLang's unified radix tree delegates each kind of state to a `TreeComponent`; kvplug
-hands its own through ``CacheInitParams.component_registry_override``.
+hands its own through ``CacheInitParams.component_registry_override``, one per kind of
+state SGLang 0.5.23 evicts, so one kvplug policy decides for all of them.
 
 `KVPlugFullComponent` is SGLang's `FullComponent` with three changes:
 
@@ -12,11 +13,17 @@ hands its own through ``CacheInitParams.component_registry_override``.
   `release`), the latter root first;
 - freeing a node's device KV drops its record.
 
-Everything else (sizes, leaf sets, events, cascade into SWA and Mamba state, the tree's
-deletion of tombstone ancestors) is SGLang's code. The sliding-window and Mamba
-components are SGLang's own: they evict their internal state from their own LRU lists
-(see the README's known limits); a full-attention eviction chosen by kvplug cascades
-into them as in SGLang.
+`KVPlugSWAComponent` and `KVPlugMambaComponent` are SGLang's sliding-window and Mamba
+components whose device-eviction walk takes each victim from the component's kvplug
+`RankedSet` (`kvplug.sglang.ranked_lru`: every node holding that state, leaves and
+internal nodes, ranked by the policy at each access SGLang records) instead of SGLang's
+LRU end: the lowest-ranked node not locked for the component. What is done with the
+victim is SGLang's code: a device leaf is handed to the tree to evict whole, an internal
+node's state is tombstoned, and the cascade runs as in SGLang.
+
+Everything else (sizes, leaf sets, events, cascades, the tree's deletion of tombstone
+ancestors) is SGLang's code. Each kind of state has its own policy instance, bound to
+its own pool's size: the policies rank, they do not share one budget.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ from typing import Any
 
 from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
+from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+from sglang.srt.mem_cache.unified_cache.components.swa import SWAComponent
 
-from kvplug.sglang.tree_core import FULL
+from kvplug.sglang.tree_core import FULL, MAMBA, SWA
 
 
 class KVPlugFullComponent(FullComponent):
@@ -98,6 +107,60 @@ class KVPlugFullComponent(FullComponent):
         self._evict_device_request_cnt = 0
 
 
+class RankedWalkMixin:
+    """The device-eviction walk of a component whose state kvplug ranks (see the module
+    doc): SGLang's step, with the victim named by kvplug instead of SGLang's LRU cursor.
+
+    SGLang's step evicts its cursor node and sets the cursor to the next unlocked node
+    toward the list's most-recent end; here the cursor is set to kvplug's victim before
+    each step, so SGLang's own step handles it (leaf or tombstone, host backup, cascade).
+    As SGLang's cursor never returns to a node it passed, a walk names a node once: a
+    leaf the cache then keeps (a failed write-back) cannot be named again and again.
+    """
+
+    component_type: Any
+    tree_core: Any
+    _evict_device_cursor: Any
+    _evict_device_request_cnt: int
+    _evict_device_named: set[int]
+
+    def _evict_device_start(self, request_cnt: int) -> None:
+        self._evict_device_request_cnt = request_cnt
+        self._evict_device_cursor = None
+        self._evict_device_named = set()
+
+    def _evict_device_next_node(
+        self, tracker: Any, device_frees: Any, host_frees: Any, cache_actions: Any
+    ) -> Any:
+        ct = self.component_type
+        if tracker[ct] >= self._evict_device_request_cnt:
+            return None
+        victim = self.tree_core.ranked_lru(ct).first_unlocked(self._evict_device_named)
+        if victim is None:
+            return None
+        self._evict_device_named.add(victim.id)
+        data = victim.component_data[ct]
+        assert data.value is not None and data.lock_ref == 0, (
+            f"kvplug named node {victim.id}, whose {ct} state SGLang cannot evict"
+        )
+        self._evict_device_cursor = victim
+        return super()._evict_device_next_node(  # type: ignore[misc]
+            tracker, device_frees, host_frees, cache_actions=cache_actions
+        )
+
+    def _evict_device_end(self) -> None:
+        super()._evict_device_end()  # type: ignore[misc]
+        self._evict_device_named = set()
+
+
+class KVPlugSWAComponent(RankedWalkMixin, SWAComponent):
+    """SGLang's sliding-window component, evicting by kvplug's policy (see the module doc)."""
+
+
+class KVPlugMambaComponent(RankedWalkMixin, MambaComponent):
+    """SGLang's Mamba component, evicting by kvplug's policy (see the module doc)."""
+
+
 def kvplug_components() -> dict[Any, type]:
     """The component registry override a kvplug cache is built with."""
-    return {FULL: KVPlugFullComponent}
+    return {FULL: KVPlugFullComponent, SWA: KVPlugSWAComponent, MAMBA: KVPlugMambaComponent}

@@ -32,6 +32,13 @@ the order SGLang stamped them (root first): ``kvplug-lru`` evicts exactly as SGL
 ``lru`` (tested operation for operation). Other policies see such an access as a release
 too, the moment SGLang considers the node used.
 A node's ``depth`` is the page index of its last page (a split does not change it).
+
+Sliding-window and Mamba state. `reset` replaces SGLang's LRU lists of those components
+with `RankedLRUList`s (`kvplug.sglang.ranked_lru`), each keeping a kvplug `RankedSet`
+with its own policy from the strategy, bound to its own pool's size; the kvplug
+components take their victims from it. `check_invariants` audits that each ranked set's
+members are exactly the nodes holding that state, its candidates exactly those not locked
+for it, and, with ``lru``, that its order is SGLang's list order.
 """
 
 from __future__ import annotations
@@ -45,10 +52,13 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 
 from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.core.keys import encode_fields
+from kvplug.core.ranked_set import RankedSet
 from kvplug.errors import ConfigError
+from kvplug.sglang.ranked_lru import RankedLRUList
 from kvplug.sglang.stats import CacheStats
 
-FULL = ComponentType.FULL
+FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
+RANKED_COMPONENTS = (SWA, MAMBA)  # components whose state kvplug ranks in a `RankedSet`
 
 
 class NodeRecord:
@@ -90,6 +100,12 @@ class KVPlugTreeCoreMixin:
         allocator = params.token_to_kv_pool_allocator
         tokens = getattr(allocator, "size", 0) if allocator is not None else 0
         self.num_pages = max(tokens // params.page_size, 1)
+        swa_tokens = getattr(allocator, "size_swa", 0) if allocator is not None else 0
+        mamba_pool = getattr(params.req_to_token_pool, "mamba_pool", None)
+        self.state_capacity = {  # what each ranked component's policy is bound to
+            SWA: max(swa_tokens // params.page_size, 1),
+            MAMBA: max(getattr(mamba_pool, "size", 0), 1),
+        }
         self.stats = CacheStats()  # kept across `reset`: counters since start-up
         super().__init__(params, components)  # type: ignore[call-arg]
 
@@ -104,6 +120,24 @@ class KVPlugTreeCoreMixin:
         self.eviction = EvictionCore(strategy.new_policy(self.page_size, self.num_pages))
         self.records = {}
         self._serials = count()
+        for ct in RANKED_COMPONENTS:
+            if ct not in self.lru_lists:
+                continue
+            policy = strategy.new_policy(self.page_size, self.state_capacity[ct])
+            self.lru_lists[ct] = RankedLRUList(
+                ct,
+                self.component_types,  # type: ignore[attr-defined]
+                RankedSet(policy),
+                self.describe,
+                self._serials,
+                is_referenced=self._session_lru_predicate(ct),  # type: ignore[attr-defined]
+            )
+
+    def ranked_lru(self, component_type: Any) -> RankedLRUList:
+        """The LRU list, with its ranked set, of a component kvplug ranks (SWA, Mamba)."""
+        lru = self.lru_lists[component_type]  # type: ignore[attr-defined]
+        assert isinstance(lru, RankedLRUList), f"{component_type} state is not ranked by kvplug"
+        return lru
 
     # -- tree events ----------------------------------------------------------------------
     def _add_new_node(self, parent: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
@@ -161,6 +195,10 @@ class KVPlugTreeCoreMixin:
         if record is not None:
             self.eviction.hit(record)
             self.stats.block_hits += 1
+        for ct in RANKED_COMPONENTS:
+            lru = self.lru_lists.get(ct)  # type: ignore[attr-defined]
+            if isinstance(lru, RankedLRUList):
+                lru.hit(node)
         return super()._inc_hit_count_and_check(node)  # type: ignore[misc]
 
     # -- called by the components ---------------------------------------------------------
@@ -179,14 +217,31 @@ class KVPlugTreeCoreMixin:
 
     # -- helpers ----------------------------------------------------------------------------
     def _new_record(self, node: Any, parent: NodeRecord | None, end: int) -> NodeRecord:
+        digest = self._prefix_key(node, parent)
+        record = NodeRecord(next(self._serials), node, digest, end, self.page_size)
+        self.records[node.id] = record
+        return record
+
+    @staticmethod
+    def _prefix_key(node: Any, parent: NodeRecord | None) -> bytes:
+        """The digest of the node's tokens after its parent's key (the policies' `key`)."""
         radix_key = node.key
         tokens = radix_key.token_ids[: len(radix_key)].tobytes()
         extra = encode_fields((radix_key.extra_key or "", radix_key.cache_salt or ""))
         parent_key: bytes = parent.key if parent is not None else b""  # type: ignore[assignment]
-        digest = xxhash.xxh3_64_digest(parent_key + extra + tokens)
-        record = NodeRecord(next(self._serials), node, digest, end, self.page_size)
-        self.records[node.id] = record
-        return record
+        return xxhash.xxh3_64_digest(parent_key + extra + tokens)
+
+    def describe(self, node: Any) -> tuple[bytes, int]:
+        """(prefix key, depth) of a node, for the ranked components' records: those of
+        its full-attention record if it has one yet, else derived from its parent's (a
+        node split off a moment ago)."""
+        record = self.records.get(node.id)
+        if record is not None:
+            return record.key, record.depth
+        parent = self.records.get(node.parent.id) if node.parent is not None else None
+        end = (parent.end if parent is not None else 0) + len(node.key)
+        depth = max((end + self.page_size - 1) // self.page_size - 1, 0)
+        return self._prefix_key(node, parent), depth
 
     def check_invariants(self) -> None:
         """Raise AssertionError if a module-level invariant does not hold."""
@@ -215,6 +270,29 @@ class KVPlugTreeCoreMixin:
         leaves = {node.id for node in self.evictable_device_leaves}  # type: ignore[attr-defined]
         assert candidates == leaves, f"candidates {candidates} != SGLang's leaves {leaves}"
         assert len(self.eviction) == len(candidates)
+        for ct in RANKED_COMPONENTS:
+            lru = self.lru_lists.get(ct)  # type: ignore[attr-defined]
+            if isinstance(lru, RankedLRUList):
+                self._check_ranked(ct, lru, nodes)
+
+    def _check_ranked(self, ct: Any, lru: RankedLRUList, nodes: list[Any]) -> None:
+        """A ranked component's members are exactly the nodes holding its device state,
+        its candidates exactly those of them not locked for it; with ``lru`` its order is
+        SGLang's list order."""
+        lru.ranked.check()
+        root = self.root_node
+        holding = {n.id for n in nodes if n is not root and n.component_data[ct].value is not None}
+        members = {record.node.id for record in lru.ranked}
+        assert members == holding == set(lru.records), f"{ct}: members {members} != {holding}"
+        for node_id, record in lru.records.items():
+            assert record.node.id == node_id and record in lru.ranked
+        unlocked = {n.id for n in nodes if n.id in holding and n.component_data[ct].lock_ref == 0}
+        candidates = {r.node.id for r in lru.ranked if r.node.component_data[ct].lock_ref == 0}
+        assert candidates == unlocked, f"{ct}: candidates {candidates} != {unlocked}"
+        if lru.ranked.policy.name == "lru":
+            ranked = [record.node.id for record in lru.ranked.ordered()]
+            listed = [node.id for node in lru.order_from_lru()]
+            assert ranked == listed, f"{ct}: kvplug-lru order {ranked} != SGLang's {listed}"
 
 
 class KVPlugTreeCore(KVPlugTreeCoreMixin, UnifiedTreeCore):
