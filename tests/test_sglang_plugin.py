@@ -153,6 +153,31 @@ def test_backend_alone_serves_cost_and_logs_once(caplog: pytest.LogCaptureFixtur
     assert len(active) == 1 and "policy=cost" in active[0] and "Python core" in active[0]
 
 
+def test_backend_installs_kvplug_components_for_every_state() -> None:
+    """The backend's parameters name kvplug's component for full attention, sliding
+    window and Mamba, keeping any other override."""
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    from kvplug.config import KVPlugConfig
+    from kvplug.sglang.backend import apply_kvplug
+    from kvplug.sglang.components import (
+        KVPlugFullComponent,
+        KVPlugMambaComponent,
+        KVPlugSWAComponent,
+    )
+
+    other = object()
+    params = CacheInitParams.__new__(CacheInitParams)
+    params.component_registry_override = {ComponentType.C128: other}
+    apply_kvplug(params, KVPlugConfig.load({"policy": "lru"}))
+    assert params.component_registry_override == {
+        ComponentType.FULL: KVPlugFullComponent,
+        ComponentType.SWA: KVPlugSWAComponent,
+        ComponentType.MAMBA: KVPlugMambaComponent,
+        ComponentType.C128: other,
+    }
+
+
 def test_policy_and_config_from_sglang_arguments() -> None:
     cache = build("kvplug-lfu")
     assert cache.tree_core.eviction_strategy.config.policy == "lfu"
