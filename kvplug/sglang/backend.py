@@ -10,7 +10,8 @@ kvplug cache is configured; the replay arm and the tests use it too):
 - the tree core is kvplug's (`kvplug.sglang.tree_core`, tree-core backend ``kvplug``): the
   pure-Python core SGLang also has, since its default Rust core accepts only SGLang's own
   policy names;
-- the full-attention component is kvplug's (`kvplug.sglang.components`);
+- the full-attention, sliding-window and Mamba components are kvplug's
+  (`kvplug.sglang.components`);
 - the cache class is `KVPlugRadixCache`, which folds kvplug's namespace into each
   request's ``cache_salt`` (`kvplug.sglang.namespace`) and counts kvplug's statistics.
 
@@ -105,7 +106,7 @@ class KVPlugRadixCache(UnifiedRadixCache):
 
 def apply_kvplug(params: Any, config: KVPlugConfig, model: ModelSpec | None = None) -> None:
     """Configure SGLang's `CacheInitParams` so that the cache built from them is
-    kvplug's: its tree core, its full-attention component and the policy `config` names.
+    kvplug's: its tree core, its components and the policy `config` names.
     Registers kvplug's names with SGLang first, if the entry point has not."""
     from kvplug.sglang.plugin import register_names
 

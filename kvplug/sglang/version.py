@@ -1,6 +1,6 @@
 """Which SGLang versions kvplug's integration supports, and the checks made at start-up.
 
-kvplug subclasses SGLang's radix-tree core and full-attention component and registers
+kvplug subclasses SGLang's radix-tree core, tree components and LRU list and registers
 into two private tables; none of these is a public interface. So at start-up kvplug
 
 - refuses an untested SGLang (``strict_version: false`` in kvplug's config or
@@ -40,6 +40,21 @@ PRIVATE_NAMES = (
         "FullComponent._evict_device_next_node",
     ),
     ("sglang.srt.mem_cache.unified_cache.components.full", "FullComponent._evict_device_end"),
+    # the sliding-window and Mamba walks and the LRU list that feeds kvplug's ranked sets
+    ("sglang.srt.mem_cache.unified_cache.components.swa", "SWAComponent._evict_device_next_node"),
+    (
+        "sglang.srt.mem_cache.unified_cache.components.mamba",
+        "MambaComponent._evict_device_next_node",
+    ),
+    (
+        "sglang.srt.mem_cache.unified_cache.unified_tree_core",
+        "UnifiedTreeCore._session_lru_predicate",
+    ),
+    ("sglang.srt.mem_cache.unified_cache.unified_tree_core", "UnifiedLRUList.insert_after"),
+    (
+        "sglang.srt.mem_cache.unified_cache.unified_tree_core",
+        "UnifiedLRUList.reset_node_and_window_ancestors_mru",
+    ),
 )
 
 
