@@ -41,6 +41,14 @@ from kvplug.serving.stats import (
     spread,
     summarize,
 )
+from kvplug.serving.vllm_bench import (
+    BenchClientError,
+    PrefixRepetition,
+    bench_command,
+    parse_bench_args,
+    run_bench,
+    summarize_bench,
+)
 from kvplug.serving.workload import (
     ASSISTANT_LABEL,
     MESSAGE_TOKENS,
@@ -671,3 +679,117 @@ def test_stock_arm_against_a_real_vllm_server(tmp_path) -> None:
         assert stock.server_prefix_cache_queries == stock.prompt_tokens
         assert stock.server_prefix_cache_hits == stock.cached_tokens
     assert "vllm-stock" in table(result)
+
+
+# ---------------------------------------------------------------- vLLM's own client
+
+
+def test_prefix_repetition_fills_twice_the_budget_and_fits_the_model() -> None:
+    dataset = PrefixRepetition.for_budget(kv_tokens=1536, max_model_len=1504, requests=400)
+    assert dataset.num_prefixes * dataset.prefix_len >= 2 * 1536
+    assert dataset.request_tokens <= 1504
+    small = PrefixRepetition.for_budget(kv_tokens=64, max_model_len=96, requests=400)
+    assert small.request_tokens <= 96 and small.num_prefixes >= 2
+    few = PrefixRepetition.for_budget(kv_tokens=1536, max_model_len=1504, requests=8)
+    assert few.num_prefixes == 4  # two requests a prefix: vLLM refuses more prefixes
+    assert PrefixRepetition.for_budget(1536, 1504, requests=1).num_prefixes == 1
+
+
+@pytest.mark.skipif(not installed("vllm"), reason="needs vllm (.venv-vllm)")
+def test_bench_command_is_accepted_by_vllms_own_parser(tmp_path) -> None:
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    dataset = PrefixRepetition.for_budget(1536, 1504, requests=9)
+    command = bench_command(
+        "http://127.0.0.1:1", tmp_path, requests=9, concurrency=3, seed=5, dataset=dataset,
+        result_dir=tmp_path, result_file="r.json",
+        extra_args=parse_bench_args("--prefix-repetition-num-prefixes 4"),
+    )  # fmt: skip
+    assert command[:2] == [sys.executable, "-c"]
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(command[3:])
+    assert args.dataset_name == "prefix_repetition" and args.num_prompts == 9
+    assert args.max_concurrency == 3 and args.seed == 5 and args.save_result
+    assert args.prefix_repetition_num_prefixes == 4  # the user's flag wins
+    assert "ttft" in args.percentile_metrics and args.metric_percentiles == "50,99"
+
+
+def test_bench_result_is_summarized_with_the_servers_hit_ratio() -> None:
+    result = {
+        "duration": 4.0, "completed": 7, "failed": 1, "total_input_tokens": 2000,
+        "total_output_tokens": 112, "request_throughput": 1.75, "output_throughput": 28.0,
+        "p50_ttft_ms": 120.0, "p99_ttft_ms": 300.0, "errors": ["", "boom", ""],
+    }  # fmt: skip
+    metrics = parse_metrics(
+        "vllm:prefix_cache_queries_total 2000\nvllm:prefix_cache_hits_total 500\n"
+        "vllm:num_preemptions_total 0\n"
+    )
+    arm = summarize_bench("kvplug", result, metrics, VLLM.counters)
+    assert (arm.requests, arm.succeeded, arm.failed) == (8, 7, 1)
+    assert (arm.ttft_p50_ms, arm.ttft_p99_ms) == (120.0, 300.0)
+    assert arm.request_throughput == 1.75 and arm.output_throughput == 28.0
+    assert arm.cached_tokens == 500 and arm.cached_token_ratio == 0.25
+    assert arm.server_prefix_hit_ratio == 0.25 and arm.errors == ["boom"]
+    assert math.isnan(arm.prefill_compute_saved)  # not measured by vLLM's client
+
+
+def test_a_failing_bench_client_names_its_log(tmp_path) -> None:
+    command = [sys.executable, "-c", "import sys; print('no server'); sys.exit(3)",
+               "--result-dir", str(tmp_path), "--result-filename", "r.json"]  # fmt: skip
+    with pytest.raises(BenchClientError, match="exited with 3.*client.log") as caught:
+        run_bench(command, tmp_path / "client.log", timeout_s=60)
+    assert "no server" in str(caught.value)
+
+
+def test_vllm_bench_client_is_refused_for_other_engines_and_options(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    runner = CliRunner()
+    result = runner.invoke(main, ["ab", "--engine", "sglang", "--model", str(tmp_path),
+                                  "--client", "vllm-bench"])  # fmt: skip
+    assert result.exit_code == 2 and "drives vLLM servers only" in result.output
+    result = runner.invoke(main, ["ab", "--engine", "vllm", "--model", str(tmp_path),
+                                  "--bench-args", "--num-prompts 3"])  # fmt: skip
+    assert result.exit_code == 2 and "--client vllm-bench only" in result.output
+    result = runner.invoke(main, ["ab", "--client", "vllm-bench"])
+    assert result.exit_code == 2 and "does not apply to --engine replay" in result.output
+    with pytest.raises(ConfigError, match="cannot drive engine 'sglang'"):
+        run_ab(ABConfig(tmp_path, engine="sglang", client="vllm-bench"), [])
+
+
+@pytest.mark.vllm_server
+@pytest.mark.skipif(not installed("vllm"), reason="needs vllm (.venv-vllm)")
+@pytest.mark.skipif(
+    not installed("kvplug.tools.tiny_model"), reason="needs kvplug.tools.tiny_model"
+)
+def test_vllms_own_client_drives_a_real_server(tmp_path) -> None:
+    from kvplug.tools.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny-llama", arch="llama")
+    config = ABConfig(model, requests=8, concurrency=4, num_blocks=48, client="vllm-bench",
+                      log_dir=tmp_path / "logs")  # fmt: skip
+    result = run_ab(config, [stock_arm()], progress=print)
+    (stock,) = result.arms
+    assert stock.available, stock.note
+    assert stock.succeeded == stock.requests == 8 and stock.failed == 0, stock.errors
+    assert stock.ttft_p99_ms >= stock.ttft_p50_ms > 0 and stock.request_throughput > 0
+    # 8 requests over 4 prefixes of 256 tokens: each prefix is reused, and vLLM's
+    # counters (the hit ratio's source) saw every prompt token
+    assert stock.server_prefix_cache_queries == stock.prompt_tokens
+    assert 0 < stock.cached_token_ratio < 1
+    assert "prefix_repetition" in result.workload and "vllm-stock" in table(result)
+
+
+def test_python_core_arm_sets_sglangs_core_and_is_sglang_only(tmp_path) -> None:
+    from kvplug.serving.engines import SGLANG_PYTHON_CORE
+
+    assert dict(SGLANG_PYTHON_CORE.env) == {"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
+    assert SGLANG_PYTHON_CORE.extra_args == ()  # SGLang's own policy and cache
+    server = Server(["true"], 1, tmp_path / "log", env=dict(SGLANG_PYTHON_CORE.env))
+    assert server.env["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] == "python"
+    (tmp_path / "config.json").write_text("{}")
+    result = CliRunner().invoke(
+        main, ["ab", "--engine", "vllm", "--model", str(tmp_path), "--python-core-arm"]
+    )
+    assert result.exit_code == 2 and "--engine sglang only" in result.output

@@ -271,7 +271,7 @@ def _names(text: str) -> list[str]:
 _REPLAY_ONLY = ("trace_source", "sequential", "capacity_blocks", "capacity_fractions",
                 "prefill_tps", "decode_tps")  # fmt: skip
 _SERVER_ONLY = ("workload", "num_blocks", "requests", "concurrency", "kvplug_config", "json_path",
-                "repeat")  # fmt: skip
+                "repeat", "client", "bench_args", "python_core_arm")  # fmt: skip
 
 
 @click.command()
@@ -336,6 +336,27 @@ _SERVER_ONLY = ("workload", "num_blocks", "requests", "concurrency", "kvplug_con
     "--kvplug-config",
     default=None,
     help='vllm, sglang: the kvplug arm\'s settings, a JSON object such as \'{"policy": "cost"}\'.',
+)
+@click.option(
+    "--client",
+    type=click.Choice(["kvplug", "vllm-bench"]),
+    default="kvplug",
+    show_default=True,
+    help="vllm, sglang: who sends the requests. vllm-bench (--engine vllm): vLLM's own "
+    "benchmark client (vllm.benchmarks.serve, prefix_repetition dataset sized to the KV "
+    "budget) instead of --workload; vLLM's TTFT and throughput, hit ratio from /metrics.",
+)
+@click.option(
+    "--python-core-arm",
+    is_flag=True,
+    help="--engine sglang: a third arm, SGLang's own lru on its pure-Python tree core (the "
+    "core kvplug runs on), to tell the core's cost from the policy's.",
+)
+@click.option(
+    "--bench-args",
+    default=None,
+    help="--client vllm-bench: extra 'vllm bench serve' flags, one quoted string; they win "
+    "over kvplug's defaults (e.g. '--prefix-repetition-num-prefixes 4').",
 )
 @click.option(
     "--json", "json_path", default=None, help="vllm, sglang: also write the results here."

@@ -40,6 +40,14 @@ from kvplug.serving.metrics import Metrics, PrefixCounters, parse_metrics
 from kvplug.serving.server import Server, ServerError, free_port
 from kvplug.serving.stats import ArmSummary, combine, summarize
 from kvplug.serving.tokens import load_token_counter
+from kvplug.serving.vllm_bench import (
+    CLIENTS,
+    BenchClientError,
+    PrefixRepetition,
+    bench_command,
+    run_bench,
+    summarize_bench,
+)
 from kvplug.serving.workload import Workload, build_workload
 
 __all__ = ["KVPLUG", "Arm", "ABConfig", "ABResult", "run_ab", "stock_arm", "kvplug_arm"]
@@ -76,6 +84,8 @@ class ABConfig:
     log_dir: Path | None = None  # default: a new temporary directory
     engine: str = VLLM.name  # a key of `kvplug.serving.engines.ENGINES`
     repeat: int = 1  # runs per arm, interleaved across arms
+    client: str = "kvplug"  # or "vllm-bench": vLLM's own client (`kvplug.serving.vllm_bench`)
+    bench_args: tuple[str, ...] = ()  # extra flags for vLLM's client
 
     @property
     def server_engine(self) -> Engine:
@@ -157,20 +167,33 @@ def run_ab(
     started = time.monotonic()
     if config.num_blocks < 2 or min(config.requests, config.concurrency, config.repeat) < 1:
         raise ConfigError("num_blocks must be >= 2, requests, concurrency and repeat >= 1")
+    if config.client not in CLIENTS or (config.client != "kvplug" and config.engine != VLLM.name):
+        raise ConfigError(
+            f"client {config.client!r} cannot drive engine {config.engine!r}; expected "
+            f"{CLIENTS[0]!r} (any engine) or {CLIENTS[1]!r} (engine vllm)"
+        )
     counters = config.server_engine.counters
     spec = load_model(config.model)
-    count, tokenizer = load_token_counter(config.model)
-    workload = build_workload(config.workload, config.requests, config.seed, count)
     max_model_len = config.resolved_max_model_len()
-    if workload.max_request_tokens > max_model_len:
+    workload: Workload | PrefixRepetition
+    if config.client == "kvplug":
+        count, tokenizer = load_token_counter(config.model)
+        workload = build_workload(config.workload, config.requests, config.seed, count)
+        longest, described = workload.max_request_tokens, workload.describe()
+    else:
+        kv_tokens = config.num_blocks * config.block_size
+        workload = PrefixRepetition.for_budget(kv_tokens, max_model_len, config.requests)
+        longest, tokenizer = workload.request_tokens, "vLLM's client"
+        described = f"vLLM's benchmark client, {workload.describe(config.requests)}"
+    if longest > max_model_len:
         raise ConfigError(
-            f"the workload's longest request needs about {workload.max_request_tokens} tokens "
+            f"the workload's longest request needs about {longest} tokens "
             f"but the server allows {max_model_len} (num-blocks {config.num_blocks} x "
             f"block-size {config.block_size}, less one block); raise --num-blocks"
         )
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvplug-ab-"))
-    result = ABResult(config, workload.describe(), tokenizer, spec, max_model_len)
-    say(f"{workload.describe()}; tokenizer: {tokenizer}; logs in {log_dir}")
+    result = ABResult(config, described, tokenizer, spec, max_model_len)
+    say(f"{described}; tokenizer: {tokenizer}; logs in {log_dir}")
     runs: dict[str, list[ArmSummary]] = {arm.name: [] for arm in arms}
     with _sigterm_as_exit():
         for round_index in range(config.repeat):
@@ -202,7 +225,7 @@ def _run_or_note(
     config: ABConfig,
     arm: Arm,
     run_name: str,
-    workload: Workload,
+    workload: Workload | PrefixRepetition,
     spec: ModelSpec,
     log_dir: Path,
     max_model_len: int,
@@ -219,7 +242,7 @@ def _run_or_note(
     try:
         return run_arm(config, arm, workload, spec, log_path, max_model_len, say, command,
                        counters, run_name)  # fmt: skip
-    except ServerError as exc:
+    except (ServerError, BenchClientError) as exc:
         say(f"{run_name}: failed: {exc}")
         first_line = str(exc).splitlines()[0].split("; command:")[0]
         return ArmSummary(arm.name, available=False, note=first_line, log_path=str(log_path))
@@ -228,7 +251,7 @@ def _run_or_note(
 def run_arm(
     config: ABConfig,
     arm: Arm,
-    workload: Workload,
+    workload: Workload | PrefixRepetition,
     spec: ModelSpec,
     log_path: Path,
     max_model_len: int,
@@ -237,14 +260,17 @@ def run_arm(
     counters: PrefixCounters | None = None,
     run_name: str | None = None,
 ) -> ArmSummary:
-    """Start `arm`'s server, drive `workload` against it, stop it, summarize."""
+    """Start `arm`'s server, drive `workload` against it (kvplug's client, or vLLM's for
+    a `PrefixRepetition`), stop it, summarize."""
     name = run_name or arm.name
     port = free_port()
     argv = command(config, arm, port, max_model_len)
     say(f"{name}: starting the server on port {port} (log: {log_path})")
-    server = Server(argv, port, log_path, startup_timeout_s=config.startup_timeout_s)
+    server = Server(
+        argv, port, log_path, env=dict(arm.env), startup_timeout_s=config.startup_timeout_s
+    )
     with server:
-        say(f"{name}: ready after {server.startup_s:.1f} s; sending {workload.requests} "
+        say(f"{name}: ready after {server.startup_s:.1f} s; sending {config.requests} "
             f"requests, {config.concurrency} at a time")  # fmt: skip
         model = str(config.model)
         warm = warm_up(server.base_url, model, timeout_s=config.request_timeout_s)
@@ -252,18 +278,32 @@ def run_arm(
             server.check_alive()
             raise server.error(f"the warm-up request failed: {warm.error}")
         before = _scrape(server)
-        run = run_workload(
-            server.base_url,
-            model,
-            workload,
-            concurrency=config.concurrency,
-            request_timeout_s=config.request_timeout_s,
-            seed=config.seed,
-        )
+        if isinstance(workload, PrefixRepetition):
+            result_dir = log_path.parent
+            bench = bench_command(
+                server.base_url, config.model, requests=config.requests,
+                concurrency=config.concurrency, seed=config.seed, dataset=workload,
+                result_dir=result_dir, result_file=f"{log_path.stem}.vllm-bench.json",
+                extra_args=config.bench_args,
+            )  # fmt: skip
+            timeout = config.request_timeout_s * max(config.requests, 1)
+            bench_result = run_bench(bench, log_path.with_suffix(".client.log"), timeout)
+        else:
+            run = run_workload(
+                server.base_url,
+                model,
+                workload,
+                concurrency=config.concurrency,
+                request_timeout_s=config.request_timeout_s,
+                seed=config.seed,
+            )
         server.check_alive()
         after = _scrape(server)
     counters = counters or config.server_engine.counters
-    summary = summarize(arm.name, run.results, run.wall_s, spec, after.since(before), counters)
+    if isinstance(workload, PrefixRepetition):
+        summary = summarize_bench(arm.name, bench_result, after.since(before), counters)
+    else:
+        summary = summarize(arm.name, run.results, run.wall_s, spec, after.since(before), counters)
     summary.startup_s = server.startup_s
     summary.log_path = str(log_path)
     summary.server_args = list(arm.extra_args)

@@ -10,8 +10,9 @@ from pathlib import Path
 import click
 
 from kvplug.serving.ab import ABConfig, run_ab
-from kvplug.serving.engines import ENGINES, VLLM
+from kvplug.serving.engines import ENGINES, SGLANG, SGLANG_PYTHON_CORE, VLLM
 from kvplug.serving.report import plot, render
+from kvplug.serving.vllm_bench import parse_bench_args
 
 
 def default_plot(engine: str) -> str:
@@ -64,10 +65,23 @@ def server_ab(
     fmt: str,
     quiet: bool,
     repeat: int = 1,
+    client: str = "kvplug",
+    bench_args: str | None = None,
+    python_core_arm: bool = False,
 ) -> None:
     """Run the stock and kvplug servers of `engine` in turn (`repeat` rounds); print the
     table, write the files."""
     server = ENGINES[engine]
+    if client != "kvplug" and engine != VLLM.name:
+        raise click.BadParameter(
+            f"--client {client} drives vLLM servers only; use --client kvplug with "
+            f"--engine {engine}",
+            param_hint="--client",
+        )
+    if python_core_arm and engine != SGLANG.name:
+        raise click.BadParameter("applies to --engine sglang only", param_hint="--python-core-arm")
+    if bench_args and client != "vllm-bench":
+        raise click.BadParameter("applies to --client vllm-bench only", param_hint="--bench-args")
     path = check_model_dir(model, engine)
     extra = parse_kvplug_config(kvplug_config)
     if importlib.util.find_spec(engine) is None:
@@ -83,9 +97,14 @@ def server_ab(
         num_blocks=num_blocks,
         engine=engine,
         repeat=repeat,
+        client=client,
+        bench_args=parse_bench_args(bench_args),
     )
     progress = None if quiet else (lambda message: click.echo(f"  {message}", err=True))
-    result = run_ab(config, [server.stock_arm(), server.kvplug_arm(extra)], progress=progress)
+    arms = [server.stock_arm(), server.kvplug_arm(extra)]
+    if python_core_arm:
+        arms.insert(1, SGLANG_PYTHON_CORE)
+    result = run_ab(config, arms, progress=progress)
     if not any(arm.available for arm in result.arms):
         notes = "; ".join(f"{arm.arm}: {arm.note}" for arm in result.arms)
         raise click.ClickException(f"no arm ran ({notes})")

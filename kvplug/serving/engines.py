@@ -39,11 +39,13 @@ DEFAULT_POLICY = "cost"
 @dataclass(frozen=True)
 class Arm:
     """A server configuration: `extra_args` are added to the engine's common command
-    line; `requires` names a module that must be importable for the arm to run."""
+    line, `env` to its environment; `requires` names a module that must be importable
+    for the arm to run."""
 
     name: str
     extra_args: tuple[str, ...] = ()
     requires: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
 
     def missing(self) -> str | None:
         """Why the arm cannot run here, or None."""
@@ -188,6 +190,12 @@ def sglang_kvplug_args(config: dict | None = None) -> tuple[str, ...]:
         args += ("--radix-eviction-policy-config", json.dumps(config))
     return args
 
+
+SGLANG_PYTHON_CORE = Arm(
+    "sglang-stock-pycore", env=(("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python"),)
+)
+"""SGLang's own cache and lru on its pure-Python tree core, the core kvplug runs on (its
+Rust core accepts no other policy): separates the core's cost from the policy's."""
 
 SGLANG = Engine(
     name="sglang",
