@@ -97,6 +97,11 @@ class EvictionCore(Generic[N]):
         node.hits += 1
         self.policy.hit(node)
 
+    def touch(self, node: N) -> None:
+        """`node` was accessed now, held or not (engines that order by access report it;
+        an evictable node is then also re-ranked by its adapter: `reclaim`, `release`)."""
+        self.policy.touch(node)
+
     def remove(self, node: N) -> None:
         """`node` left the cache (evicted, invalidated, or its engine dropped its key)."""
         if node.evictable:

@@ -50,6 +50,11 @@ class EvictionPolicy(ABC):
         (whether that request reused cached blocks) describe the release.
         """
 
+    def touch(self, node: CachedNode) -> None:
+        """`node` was accessed, held or not. Only engines that order by access rather than
+        by release report this (SGLang stamps every node a lookup or insert walks); a
+        policy ordered by recency takes a node's place from its latest access."""
+
     def remove(self, node: CachedNode) -> None:
         """`node` left the cache (evicted or invalidated). It is never a candidate again."""
 

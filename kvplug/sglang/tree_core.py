@@ -24,13 +24,15 @@ Invariants (`check_invariants` audits them):
 - the policy's candidates are exactly SGLang's ``evictable_device_leaves``, so the
   victim kvplug names is always one SGLang may evict.
 
-Recency. SGLang's own ``lru`` orders leaves by ``last_access_time``, which its match and
-insert walks stamp (parents older than children) and a split stamps on the lower part.
-kvplug's ``lru`` orders by release. So a record is released when its lock count drops to
-0, and released again (re-ranked) when SGLang stamps it while it is unlocked, always in
-the order SGLang stamped them (root first): ``kvplug-lru`` evicts exactly as SGLang's
-``lru`` (tested operation for operation). Other policies see such an access as a release
-too, the moment SGLang considers the node used.
+Recency. SGLang's own ``lru`` orders leaves by ``last_access_time``, which node creation,
+its match and insert walks (parents older than children) and a split (the lower part)
+stamp, held or not. kvplug reports every such stamp to the core (`touch`, in the order
+SGLang stamped them, root first); a record is released when its lock count drops to 0,
+and released again (re-ranked) when SGLang stamps it while it is unlocked. kvplug's
+``lru`` takes a touched node's place from its latest touch, so a node held across newer
+insertions keeps the older place SGLang gives it: ``kvplug-lru`` evicts exactly as
+SGLang's ``lru`` (tested operation for operation). Other policies ignore touches and see
+each release, the moment SGLang considers the node used or let go.
 A node's ``depth`` is the page index of its last page (a split does not change it).
 
 Sliding-window and Mamba state. `reset` replaces SGLang's LRU lists of those components
@@ -146,6 +148,7 @@ class KVPlugTreeCoreMixin:
         end = (parent_record.end if parent_record is not None else 0) + len(key)
         record = self._new_record(node, parent_record, end)
         self.eviction.insert(record, parent_record)
+        self.eviction.touch(record)  # SGLang stamps a new node as accessed
         self.eviction.release(record)  # SGLang adds it unlocked; a lock may follow
         return node
 
@@ -157,16 +160,16 @@ class KVPlugTreeCoreMixin:
         upper_node = result[0]
         parent = live_parent(lower)
         upper = self._new_record(upper_node, parent, lower.end - len(child.key))  # type: ignore[arg-type]
+        self.eviction.touch(upper)  # stamped at its creation, before the lower part
         self.eviction.split(upper, lower)
-        if lower.evictable:  # SGLang stamps the lower part as accessed now
-            self._refresh(lower)
+        self._accessed(lower)  # SGLang stamps the lower part as accessed now
         return result
 
     def _touch_node(self, node: Any) -> None:
         super()._touch_node(node)  # type: ignore[misc]
         record = self.records.get(node.id)
-        if record is not None and record.evictable:
-            self._refresh(record)
+        if record is not None:
+            self._accessed(record)
 
     def _match_post_processor(
         self, params: Any, value: Any, best_match_node: Any, *args: Any, **kwargs: Any
@@ -178,17 +181,21 @@ class KVPlugTreeCoreMixin:
         node = best_match_node
         while node is not None and node is not root:
             record = records.get(node.id)
-            if record is not None and record.evictable:
+            if record is not None:
                 touched.append(record)
             node = node.parent
         for record in reversed(touched):  # root first: SGLang stamps parents older
-            self._refresh(record)
+            self._accessed(record)
         return result
 
-    def _refresh(self, record: NodeRecord) -> None:
-        """An evictable node was accessed without a lock: ranked again, as if released now."""
-        self.eviction.reclaim(record)
-        self.eviction.release(record)
+    def _accessed(self, record: NodeRecord) -> None:
+        """SGLang stamped the node as accessed now: the core hears of it (`touch`), and
+        an evictable node is ranked again, as if released now; a held one keeps the
+        access for its release (recency-ordered policies rank it from there)."""
+        self.eviction.touch(record)
+        if record.evictable:
+            self.eviction.reclaim(record)
+            self.eviction.release(record)
 
     def _inc_hit_count_and_check(self, node: Any) -> bool:
         record = self.records.get(node.id)
