@@ -3,7 +3,7 @@
 It is the `sglang-stock` arm (`kvplug.replay.sglang_stock`: SGLang 0.5.23's
 `UnifiedRadixCache`, driven the way SGLang's scheduler drives it) with one difference:
 the cache is built as ``--radix-cache-backend kvplug`` builds it, through
-`kvplug.sglang.backend.build_cache` (kvplug's tree core and full-attention component,
+`kvplug.sglang.backend.build_cache` (kvplug's tree core and components,
 the policy from kvplug's registry). With ``lru`` it evicts exactly as
 ``sglang-stock:lru``.
 """
