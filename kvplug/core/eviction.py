@@ -29,6 +29,7 @@ Every method is O(1) plus the policy's O(log n).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Generic, Protocol, TypeVar
 
 from kvplug.policies.base import EvictionPolicy
@@ -87,6 +88,17 @@ class EvictionCore(Generic[N]):
         if node.cached_children == 0:
             self.policy.add_candidate(node)
 
+    def release_n(self, nodes: Sequence[N]) -> None:
+        """`release` for each of `nodes`, in order (one request's blocks, freed together),
+        with the policy ranking them in one call."""
+        self.policy.release_n(nodes)
+        add_candidate = self.policy.add_candidate
+        for node in nodes:
+            node.evictable = True
+            if node.cached_children == 0:
+                add_candidate(node)
+        self.num_evictable += len(nodes)
+
     def reclaim(self, node: N) -> None:
         """An evictable `node` is held again (a prefix hit); no-op if it is not evictable."""
         if node.evictable:
@@ -101,8 +113,8 @@ class EvictionCore(Generic[N]):
         """`node` left the cache (evicted, invalidated, or its engine dropped its key)."""
         if node.evictable:
             self._withdraw(node)
-        parent = live_parent(node)
-        if parent is not None:
+        parent = node.parent  # live_parent(node), inlined: this runs for every eviction
+        if parent is not None and parent.serial == node.parent_serial:
             parent.cached_children -= 1
             if parent.cached_children == 0 and parent.evictable:
                 self.policy.add_candidate(parent)

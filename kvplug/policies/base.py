@@ -17,6 +17,7 @@ Every method must run in O(log n) or better (amortised) in the number of cached 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from heapq import heapify, heappop, heappush
 from itertools import count
 from typing import TYPE_CHECKING, ClassVar
@@ -49,6 +50,13 @@ class EvictionPolicy(ABC):
         `node.from_end` (blocks of that request after this one) and `node.request_hit`
         (whether that request reused cached blocks) describe the release.
         """
+
+    def release_n(self, nodes: Sequence[CachedNode]) -> None:
+        """`release` for each of `nodes`, in order (one request's blocks, freed together).
+        No candidate changes in between, so a policy whose `release` does not read its
+        candidate set may override this to do the same work with less per node."""
+        for node in nodes:
+            self.release(node)
 
     def remove(self, node: CachedNode) -> None:
         """`node` left the cache (evicted or invalidated). It is never a candidate again."""
@@ -93,10 +101,16 @@ class RankedPolicy(EvictionPolicy):
     def release(self, node: CachedNode) -> None:
         self._rank[node.serial] = (self.rank(node), next(self._releases))
 
+    def release_n(self, nodes: Sequence[CachedNode]) -> None:
+        ranks, rank, releases = self._rank, self.rank, self._releases
+        for node in nodes:
+            ranks[node.serial] = (rank(node), next(releases))
+
     def add_candidate(self, node: CachedNode) -> None:
-        rank, order = self._rank[node.serial]
-        self._nodes[node.serial] = node
-        heappush(self._heap, (rank, order, node.serial))
+        serial = node.serial
+        rank, order = self._rank[serial]
+        self._nodes[serial] = node
+        heappush(self._heap, (rank, order, serial))
 
     def discard_candidate(self, node: CachedNode) -> None:
         if self._nodes.pop(node.serial, None) is not None and len(self._heap) > 64 + 2 * len(
@@ -112,9 +126,11 @@ class RankedPolicy(EvictionPolicy):
         """The next victim, or None if there is no candidate."""
         heap, nodes, ranks = self._heap, self._nodes, self._rank
         while heap:
-            rank, order, serial = heap[0]
-            if serial in nodes and ranks[serial] == (rank, order):
-                return nodes[serial]
+            _, order, serial = heap[0]
+            node = nodes.get(serial)
+            # release orders are unique, so the order alone tells a current entry
+            if node is not None and ranks[serial][1] == order:
+                return node
             heappop(heap)
         return None
 

@@ -62,6 +62,8 @@ class CostPolicy(RankedPolicy):
         self._ghost_capacity = 0
         self._tried: dict[ReuseClass, int] = defaultdict(int)
         self._reused: dict[ReuseClass, int] = defaultdict(int)
+        # reuse_probability(cls), for classes with no trial closed since it was computed
+        self._probability: dict[ReuseClass, float] = {}
 
     def bind(self, block_size: int, num_blocks: int) -> None:
         self.value.bind(block_size)
@@ -82,11 +84,26 @@ class CostPolicy(RankedPolicy):
         return (0, min(node.from_end, 3), int(node.request_hit), output)
 
     def credit(self, node: CachedNode) -> float:
-        """GreedyDual's credit for `node`, opening its class's trial."""
-        cls = self.classify(node)
-        self._trial[node.serial] = cls
-        frequency = 1 + min(node.hits, 3)
-        return frequency * self.reuse_probability(cls) * self.value(node)
+        """GreedyDual's credit for `node`, opening its class's trial.
+
+        The hot path of every release: `classify`, `reuses` and `reuse_probability` are
+        inlined here (the probability from its cache) and must stay in step with them."""
+        serial, hits = node.serial, node.hits
+        reuses = hits + self._credit.get(serial, 0) if self._credit else hits
+        output = node.request_output.bit_length()
+        if output > 12:
+            output = 12
+        if reuses:
+            cls: ReuseClass = (reuses if reuses < 3 else 3, output)
+        else:
+            from_end = node.from_end
+            cls = (0, from_end if from_end < 3 else 3, int(node.request_hit), output)
+        self._trial[serial] = cls
+        probability = self._probability.get(cls)
+        if probability is None:
+            probability = self._probability[cls] = self.reuse_probability(cls)
+        frequency = 1 + (hits if hits < 3 else 3)
+        return frequency * probability * self.value(node)
 
     def rank(self, node: CachedNode) -> float:
         return self.inflation + self.credit(node)
@@ -104,21 +121,24 @@ class CostPolicy(RankedPolicy):
             self._close(cls, reused=True)
 
     def remove(self, node: CachedNode) -> None:
-        ranked = self._rank.get(node.serial)
-        if ranked is not None:
-            self.inflation = max(self.inflation, ranked[0])
-        cls = self._trial.pop(node.serial, None)
+        serial = node.serial
+        ranked = self._rank.pop(serial, None)  # RankedPolicy.remove's whole work
+        if ranked is not None and ranked[0] > self.inflation:
+            self.inflation = ranked[0]
+        cls = self._trial.pop(serial, None)
         if cls is not None:
-            self._ghosts[node.key] = (cls, self.reuses(node))
-            while len(self._ghosts) > self._ghost_capacity:
-                _, (old, _) = self._ghosts.popitem(last=False)
+            ghosts = self._ghosts
+            ghosts[node.key] = (cls, self.reuses(node))
+            while len(ghosts) > self._ghost_capacity:
+                _, (old, _) = ghosts.popitem(last=False)
                 self._close(old, reused=False)
-        self._credit.pop(node.serial, None)
-        super().remove(node)
+        if self._credit:
+            self._credit.pop(serial, None)
 
     def _close(self, cls: ReuseClass, reused: bool) -> None:
         self._tried[cls] += 1
         self._reused[cls] += reused
+        self._probability.pop(cls, None)
 
     def learned(self) -> dict[ReuseClass, tuple[int, float]]:
         """Each class seen so far: (closed trials, estimated reuse probability)."""

@@ -29,6 +29,8 @@ class BlockValue:
 
     def __call__(self, node: CachedNode) -> float:
         depth = node.depth
+        if depth < len(self._by_depth):
+            return self._by_depth[depth]
         while len(self._by_depth) <= depth:
             t = self.tokens_per_block or 1
             d = len(self._by_depth)
