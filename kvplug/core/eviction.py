@@ -111,9 +111,12 @@ class EvictionCore(Generic[N]):
 
     def remove(self, node: N) -> None:
         """`node` left the cache (evicted, invalidated, or its engine dropped its key)."""
-        if node.evictable:
-            self._withdraw(node)
-        parent = node.parent  # live_parent(node), inlined: this runs for every eviction
+        if node.evictable:  # _withdraw(node), inlined: this runs for every eviction
+            node.evictable = False
+            self.num_evictable -= 1
+            if node.cached_children == 0:
+                self.policy.discard_candidate(node)
+        parent = node.parent  # live_parent(node), inlined
         if parent is not None and parent.serial == node.parent_serial:
             parent.cached_children -= 1
             if parent.cached_children == 0 and parent.evictable:
@@ -142,8 +145,7 @@ class EvictionCore(Generic[N]):
 
     def next_victim(self) -> N | None:
         """The candidate the policy evicts first, or None. Changes nothing."""
-        victims = self.policy.choose_victims(1)
-        return victims[0] if victims else None  # type: ignore[return-value]
+        return self.policy.first_candidate()  # type: ignore[return-value]
 
     def is_candidate(self, node: N) -> bool:
         return node.evictable and node.cached_children == 0

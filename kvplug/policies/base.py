@@ -73,6 +73,11 @@ class EvictionPolicy(ABC):
     def choose_victims(self, n: int) -> list[CachedNode]:
         """Up to `n` distinct current candidates, the first to evict first. Changes nothing."""
 
+    def first_candidate(self) -> CachedNode | None:
+        """``choose_victims(1)``'s one victim, or None if there is no candidate."""
+        victims = self.choose_victims(1)
+        return victims[0] if victims else None
+
     @abstractmethod
     def __len__(self) -> int:
         """The number of current candidates."""

@@ -103,7 +103,9 @@ class CostPolicy(RankedPolicy):
         if probability is None:
             probability = self._probability[cls] = self.reuse_probability(cls)
         frequency = 1 + (hits if hits < 3 else 3)
-        return frequency * probability * self.value(node)
+        by_depth = self.value.by_depth
+        value = by_depth[node.depth] if node.depth < len(by_depth) else self.value(node)
+        return frequency * probability * value
 
     def rank(self, node: CachedNode) -> float:
         return self.inflation + self.credit(node)
@@ -128,7 +130,7 @@ class CostPolicy(RankedPolicy):
         cls = self._trial.pop(serial, None)
         if cls is not None:
             ghosts = self._ghosts
-            ghosts[node.key] = (cls, self.reuses(node))
+            ghosts[node.key] = (cls, node.hits + self._credit.get(serial, 0))  # reuses()
             while len(ghosts) > self._ghost_capacity:
                 _, (old, _) = ghosts.popitem(last=False)
                 self._close(old, reused=False)

@@ -255,7 +255,7 @@ class KVPlugBlockPool(BlockPool):
 
     def evict_next(self) -> KVCacheBlock:
         """Forget the eviction core's next victim (its hash goes when vLLM hands the block
-        out) and return its block; the queue then calls `count_evictions`. Tracked only."""
+        out) and return its block; the queue then calls `on_evicted`. Tracked only."""
         victim = self.eviction.next_victim()
         if victim is not None:
             block: KVCacheBlock = victim.block
@@ -264,13 +264,15 @@ class KVPlugBlockPool(BlockPool):
         self._forget(block)
         return block
 
-    def evict_ordered(self, block: KVCacheBlock) -> None:
-        """The queue evicted `block`, its oldest release (not tracked)."""
-        self._keys[block.block_id] = None
-        self._num_keys -= 1
-
-    def count_evictions(self, blocks: list[KVCacheBlock]) -> None:
-        """`blocks` were evicted: count them and remember their hashes (for churn)."""
+    def on_evicted(self, blocks: list[KVCacheBlock]) -> None:
+        """The queue evicted `blocks` (their hashes go when vLLM hands them out): forget
+        them (when tracked, `evict_next` did), count them and remember their hashes, for
+        churn."""
+        if not self.tracked:
+            keys = self._keys
+            for block in blocks:
+                keys[block.block_id] = None
+            self._num_keys -= len(blocks)
         self.stats.evictions += len(blocks)
         evicted = self._evicted
         for block in blocks:
@@ -295,8 +297,9 @@ class KVPlugBlockPool(BlockPool):
         if self._keys[block.block_id] == key:
             return record
         self._adopt(block, key)
-        num_tokens = block._block_hash_num_tokens or self.hash_block_size
-        record.reset(next(self._serials), key, max(num_tokens // self.hash_block_size - 1, 0))
+        size = self.hash_block_size
+        depth = (block._block_hash_num_tokens or size) // size - 1
+        record.reset(next(self._serials), key, depth if depth > 0 else 0)
         self.eviction.insert(record, parent)
         return record
 

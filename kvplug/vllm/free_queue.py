@@ -143,12 +143,9 @@ class PolicyFreeQueue:
                 del cached[block.block_id]
                 victims.append(block)
         else:
-            forget = pool.evict_ordered
             for _ in range(n):
-                block = cached.popitem(last=False)[1]
-                forget(block)
-                victims.append(block)
-        pool.count_evictions(victims)
+                victims.append(cached.popitem(last=False)[1])
+        pool.on_evicted(victims)
         return victims
 
     def _push_fresh(self, block: KVCacheBlock, first: bool) -> None:
