@@ -90,11 +90,13 @@ class RankedPolicy(EvictionPolicy):
     Subclasses implement `rank`; ties go to the node released first. Discarding a
     candidate only forgets it; its heap entry is dropped when it reaches the top (an
     entry is current while its node is a candidate released with that rank and order),
-    and the heap is rebuilt when stale entries outnumber current ones.
+    and the heap is rebuilt when stale entries outnumber current ones. A release makes
+    one ``(rank, release order, serial)`` entry, kept in ``_rank`` and pushed as is.
     """
 
     def __init__(self) -> None:
-        self._rank: dict[int, tuple[float, int]] = {}  # serial -> (rank, release order)
+        # serial -> its entry at its last release: (rank, release order, serial)
+        self._rank: dict[int, tuple[float, int, int]] = {}
         self._heap: list[tuple[float, int, int]] = []  # (rank, release order, serial)
         self._nodes: dict[int, CachedNode] = {}  # serial -> node, for current candidates
         self._releases = count()
@@ -104,24 +106,25 @@ class RankedPolicy(EvictionPolicy):
         """The node's standing when released: lower is evicted sooner."""
 
     def release(self, node: CachedNode) -> None:
-        self._rank[node.serial] = (self.rank(node), next(self._releases))
+        serial = node.serial
+        self._rank[serial] = (self.rank(node), next(self._releases), serial)
 
     def release_n(self, nodes: Sequence[CachedNode]) -> None:
         ranks, rank, releases = self._rank, self.rank, self._releases
         for node in nodes:
-            ranks[node.serial] = (rank(node), next(releases))
+            serial = node.serial
+            ranks[serial] = (rank(node), next(releases), serial)
 
     def add_candidate(self, node: CachedNode) -> None:
         serial = node.serial
-        rank, order = self._rank[serial]
         self._nodes[serial] = node
-        heappush(self._heap, (rank, order, serial))
+        heappush(self._heap, self._rank[serial])
 
     def discard_candidate(self, node: CachedNode) -> None:
         if self._nodes.pop(node.serial, None) is not None and len(self._heap) > 64 + 2 * len(
             self._nodes
         ):
-            self._heap = [(*self._rank[serial], serial) for serial in self._nodes]
+            self._heap = [self._rank[serial] for serial in self._nodes]
             heapify(self._heap)
 
     def remove(self, node: CachedNode) -> None:
@@ -143,7 +146,7 @@ class RankedPolicy(EvictionPolicy):
         if n == 1:
             first = self.first_candidate()
             return [] if first is None else [first]
-        current = sorted((*self._rank[serial], serial) for serial in self._nodes)
+        current = sorted(self._rank[serial] for serial in self._nodes)
         return [self._nodes[serial] for *_, serial in current[:n]]
 
     def lowest_rank(self) -> float | None:

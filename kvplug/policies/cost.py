@@ -56,14 +56,17 @@ class CostPolicy(RankedPolicy):
         self.value = BlockValue(model, tokens_per_block)
         self.ghost_ratio = ghost_ratio
         self.inflation = 0.0
-        self._trial: dict[int, ReuseClass] = {}  # serial -> class of its open trial
+        # Classes travel as small int codes (see `credit`), hashed and stored with no
+        # tuple made per release; `_classes` names each code's class.
+        self._classes: dict[int, ReuseClass] = {}
+        self._trial: dict[int, int] = {}  # serial -> class code of its open trial
         self._credit: dict[int, int] = {}  # serial -> reuses remembered from its ghost
-        self._ghosts: OrderedDict[bytes, tuple[ReuseClass, int]] = OrderedDict()
+        self._ghosts: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # (code, reuses)
         self._ghost_capacity = 0
         self._tried: dict[ReuseClass, int] = defaultdict(int)
         self._reused: dict[ReuseClass, int] = defaultdict(int)
-        # reuse_probability(cls), for classes with no trial closed since it was computed
-        self._probability: dict[ReuseClass, float] = {}
+        # code -> reuse_probability(its class), while no trial of it closed since
+        self._probability: dict[int, float] = {}
 
     def bind(self, block_size: int, num_blocks: int) -> None:
         self.value.bind(block_size)
@@ -87,21 +90,27 @@ class CostPolicy(RankedPolicy):
         """GreedyDual's credit for `node`, opening its class's trial.
 
         The hot path of every release: `classify`, `reuses` and `reuse_probability` are
-        inlined here (the probability from its cache) and must stay in step with them."""
+        inlined here and must stay in step with them. The class is computed as an int
+        code, one per class (reused: ``reuses << 8 | output``; never reused: ``(from_end
+        << 1 | request_hit) << 4 | output``, below 256), and its probability read from
+        the cache."""
         serial, hits = node.serial, node.hits
         reuses = hits + self._credit.get(serial, 0) if self._credit else hits
         output = node.request_output.bit_length()
         if output > 12:
             output = 12
         if reuses:
-            cls: ReuseClass = (reuses if reuses < 3 else 3, output)
+            code = (reuses if reuses < 3 else 3) << 8 | output
         else:
             from_end = node.from_end
-            cls = (0, from_end if from_end < 3 else 3, int(node.request_hit), output)
-        self._trial[serial] = cls
-        probability = self._probability.get(cls)
+            code = ((from_end if from_end < 3 else 3) << 1 | bool(node.request_hit)) << 4 | output
+        self._trial[serial] = code
+        probability = self._probability.get(code)
         if probability is None:
-            probability = self._probability[cls] = self.reuse_probability(cls)
+            cls = self._classes.get(code)
+            if cls is None:
+                cls = self._classes[code] = self.classify(node)
+            probability = self._probability[code] = self.reuse_probability(cls)
         frequency = 1 + (hits if hits < 3 else 3)
         by_depth = self.value.by_depth
         value = by_depth[node.depth] if node.depth < len(by_depth) else self.value(node)
@@ -113,34 +122,35 @@ class CostPolicy(RankedPolicy):
     def insert(self, node: CachedNode) -> None:
         ghost = self._ghosts.pop(node.key, None)
         if ghost is not None:  # evicted, and wanted again: it was reused after all
-            cls, hits = ghost
-            self._close(cls, reused=True)
+            code, hits = ghost
+            self._close(code, reused=True)
             self._credit[node.serial] = hits + 1
 
     def hit(self, node: CachedNode) -> None:
-        cls = self._trial.pop(node.serial, None)
-        if cls is not None:
-            self._close(cls, reused=True)
+        code = self._trial.pop(node.serial, None)
+        if code is not None:
+            self._close(code, reused=True)
 
     def remove(self, node: CachedNode) -> None:
         serial = node.serial
         ranked = self._rank.pop(serial, None)  # RankedPolicy.remove's whole work
         if ranked is not None and ranked[0] > self.inflation:
             self.inflation = ranked[0]
-        cls = self._trial.pop(serial, None)
-        if cls is not None:
+        code = self._trial.pop(serial, None)
+        if code is not None:
             ghosts = self._ghosts
-            ghosts[node.key] = (cls, node.hits + self._credit.get(serial, 0))  # reuses()
+            ghosts[node.key] = (code, node.hits + self._credit.get(serial, 0))  # reuses()
             while len(ghosts) > self._ghost_capacity:
                 _, (old, _) = ghosts.popitem(last=False)
                 self._close(old, reused=False)
         if self._credit:
             self._credit.pop(serial, None)
 
-    def _close(self, cls: ReuseClass, reused: bool) -> None:
+    def _close(self, code: int, reused: bool) -> None:
+        cls = self._classes[code]
         self._tried[cls] += 1
         self._reused[cls] += reused
-        self._probability.pop(cls, None)
+        self._probability.pop(code, None)
 
     def learned(self) -> dict[ReuseClass, tuple[int, float]]:
         """Each class seen so far: (closed trials, estimated reuse probability)."""

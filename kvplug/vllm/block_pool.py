@@ -4,26 +4,33 @@
 and metrics collector. It changes two things:
 
 - its free queue is a `kvplug.vllm.free_queue.PolicyFreeQueue`, which hands out blocks
-  without a hash first (as vLLM does) and then asks the pool for a victim;
-- each block holding a hash has a `CachedBlock` record, the node kvplug's eviction core
+  without a hash first (as vLLM does) and then a victim;
+- with every policy but ``lru`` (the pool is *tracked*), each block holding a hash has a
+  `CachedBlock` record, the node kvplug's eviction core
   (`kvplug.core.eviction.EvictionCore`, the same one `KVCache` uses) and its policy see.
   The pool tells the core when a record is cached (with the block before it in its
-  request's chain, for full-attention groups), released, hit and dropped, and the core
-  names the victim: the policy's lowest-ranked *leaf*, so a shared root is evicted after
-  the leaves below it.
+  request's chain, for full-attention groups), released (a request's blocks in one
+  call), hit and dropped, and the core names the victim: the policy's lowest-ranked
+  *leaf*, so a shared root is evicted after the leaves below it.
+
+With ``lru`` the pool is not tracked: the queue evicts the block released longest ago,
+which is vLLM's own order (fresh blocks first, then cached blocks least recently released
+first, a request's tail before its head), so kvplug reproduces stock vLLM's cache hits
+exactly. A request holding a block holds every block before it, and frees them tail
+first, so in that order a block is released no earlier than the blocks below it (unless
+vLLM cached two blocks with one hash; this mode then still follows vLLM): the leaf rule
+would change nothing, and no record, ranking or tree is kept. The pool still counts
+hits, evictions, churn and cached blocks, exactly as when tracked.
 
 Invariants (checked by `check_invariants`):
 
 - every block other than the null block is held (``ref_cnt > 0``), fresh, or cached,
   never two of these; ``num_free_blocks`` is the number of fresh plus cached blocks;
-- a block's live record holds the block's current hash, and is evictable exactly while
-  the block is in the queue's cached set;
-- the policy's candidates are exactly the evictable records that no cached record names
-  as its live parent.
-
-With the ``lru`` policy the hand-out order is vLLM's own (fresh blocks first, then
-cached blocks least recently released first, a request's tail before its head), so
-kvplug reproduces stock vLLM's cache hits exactly.
+- a block's key (the hash the pool accounts for) is its current hash, and every cached
+  block has one; when tracked, its live record holds that key and is evictable exactly
+  while the block is in the queue's cached set;
+- when tracked, the policy's candidates are exactly the evictable records that no cached
+  record names as its live parent; when not, the policy has no candidates.
 """
 
 from __future__ import annotations
