@@ -61,7 +61,9 @@ class CostPolicy(RankedPolicy):
         self._classes: dict[int, ReuseClass] = {}
         self._trial: dict[int, int] = {}  # serial -> class code of its open trial
         self._credit: dict[int, int] = {}  # serial -> reuses remembered from its ghost
-        self._ghosts: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # (code, reuses)
+        # key -> reuses << 10 | class code (codes are below 1024): an int, not a tuple,
+        # so a ghost allocates nothing the garbage collector tracks
+        self._ghosts: OrderedDict[bytes, int] = OrderedDict()
         self._ghost_capacity = 0
         self._tried: dict[ReuseClass, int] = defaultdict(int)
         self._reused: dict[ReuseClass, int] = defaultdict(int)
@@ -122,7 +124,7 @@ class CostPolicy(RankedPolicy):
     def insert(self, node: CachedNode) -> None:
         ghost = self._ghosts.pop(node.key, None)
         if ghost is not None:  # evicted, and wanted again: it was reused after all
-            code, hits = ghost
+            hits, code = ghost >> 10, ghost & 1023
             self._close(code, reused=True)
             self._credit[node.serial] = hits + 1
 
@@ -139,10 +141,10 @@ class CostPolicy(RankedPolicy):
         code = self._trial.pop(serial, None)
         if code is not None:
             ghosts = self._ghosts
-            ghosts[node.key] = (code, node.hits + self._credit.get(serial, 0))  # reuses()
+            ghosts[node.key] = (node.hits + self._credit.get(serial, 0)) << 10 | code  # reuses()
             while len(ghosts) > self._ghost_capacity:
-                _, (old, _) = ghosts.popitem(last=False)
-                self._close(old, reused=False)
+                _, old = ghosts.popitem(last=False)
+                self._close(old & 1023, reused=False)
         if self._credit:
             self._credit.pop(serial, None)
 

@@ -41,11 +41,24 @@ class PolicyFreeQueue:
         self._fresh: deque[tuple[KVCacheBlock, int]] = deque()  # right end goes out first
         self._fresh_entry: dict[int, int] = {}  # block id -> serial of its live entry
         # block id -> block, in release order (the victim order when not `tracked`)
-        self._cached: OrderedDict[int, KVCacheBlock] = OrderedDict()
-        self.tracked = True  # set by the pool: whether its eviction core names victims
+        self._cached: dict[int, KVCacheBlock] = {}
+        self._tracked = True
         self._serials = count()
         for block in reversed(blocks):
             self._push_fresh(block, first=True)
+
+    @property
+    def tracked(self) -> bool:
+        """Whether the pool's eviction core names the victims (else: release order)."""
+        return self._tracked
+
+    @tracked.setter
+    def tracked(self, tracked: bool) -> None:
+        if self._cached:
+            raise RuntimeError("the eviction mode can only change while nothing is cached")
+        self._tracked = tracked
+        # only the release-order mode needs OrderedDict's O(1) pop of the oldest
+        self._cached = {} if tracked else OrderedDict()
 
     # -- the interface of vLLM's FreeKVCacheBlockQueue --------------------------------
     @property
@@ -80,7 +93,7 @@ class PolicyFreeQueue:
         if self._fresh_entry.pop(block.block_id, None) is not None:
             return
         del self._cached[block.block_id]
-        if self.tracked:
+        if self._tracked:
             self.pool.on_unfree(block)
 
     def append(self, block: KVCacheBlock) -> None:
@@ -137,12 +150,13 @@ class PolicyFreeQueue:
         """Evict `n` cached blocks (there are that many), the pool's choices in order."""
         cached, pool = self._cached, self.pool
         victims: list[KVCacheBlock] = []
-        if self.tracked:
+        if self._tracked:
             for _ in range(n):
                 block = pool.evict_next()
                 del cached[block.block_id]
                 victims.append(block)
         else:
+            assert isinstance(cached, OrderedDict)
             for _ in range(n):
                 victims.append(cached.popitem(last=False)[1])
         pool.on_evicted(victims)
