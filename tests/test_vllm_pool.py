@@ -13,7 +13,8 @@ coordinator and single-type manager over `KVPlugBlockPool`:
   cache reset leave the pool consistent.
 
 That kvplug's pool with ``lru`` evicts exactly what vLLM's pool evicts is tested in
-test_vllm_stock.py.
+test_vllm_stock.py; here, that its untracked fast path counts what the eviction core's
+path counts.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kvplug.policies import make_policy  # noqa: E402
+from kvplug.policies.lru import LRUPolicy  # noqa: E402
 from kvplug.replay.arms import FRESH_UNIT_BASE  # noqa: E402
 from kvplug.replay.vllm_stock import VLLMStockArm  # noqa: E402
 from kvplug.vllm.block_pool import KVPlugBlockPool  # noqa: E402
@@ -127,3 +129,40 @@ def test_evict_on_request_and_reset_keep_the_pool_consistent():
     pool.check_invariants()
     assert pool.num_cached_blocks() == 0
     assert arm.admit(2, [1, 2, 3, F + 2], 3) == 0
+
+
+class TrackedLRU(LRUPolicy):
+    """kvplug's lru ranked through the eviction core: the pool only skips the core (its
+    untracked fast path) for `LRUPolicy` itself."""
+
+    name = "tracked-lru"
+
+
+@settings(max_examples=60, deadline=None)
+@given(capacity=st.integers(2, 24), prefixes=prefix_sets, ops=operations)
+def test_untracked_lru_counts_what_tracked_lru_counts(capacity, prefixes, ops):
+    """With ``lru`` the pool keeps no records; its answers and kvplug's counters (hits,
+    evictions, churn, cached blocks) are those of the same order ranked by the core."""
+    fast, tracked = VLLMStockArm(capacity, make_policy("lru")), VLLMStockArm(capacity, TrackedLRU())
+    assert not pool_of(fast).tracked and pool_of(tracked).tracked
+    fresh = count(F)
+    running: list[int] = []
+    for req_id, op in enumerate(ops):
+        if op[0] == "admit":
+            _, which, cut, tail = op
+            prompt = prefixes[which % len(prefixes)][:cut] + list(tail) + [next(fresh)]
+            got = [arm.admit(req_id, prompt, len(prompt) - 1) for arm in (fast, tracked)]
+            assert got[0] == got[1]
+            if got[0] is not None:
+                running.append(req_id)
+        elif running and op[0] == "grow":
+            units = [next(fresh) for _ in range(op[2])]
+            target = running[op[1] % len(running)]
+            assert fast.grow(target, units) == tracked.grow(target, units)
+        elif running:
+            target = running.pop(op[1] % len(running))
+            fast.finish(target)
+            tracked.finish(target)
+        pool_of(fast).check_invariants()
+        assert pool_of(fast).stats == pool_of(tracked).stats
+        assert pool_of(fast).num_cached_blocks() == pool_of(tracked).num_cached_blocks()

@@ -29,6 +29,7 @@ Every method is O(1) plus the policy's O(log n).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Generic, Protocol, TypeVar
 
 from kvplug.policies.base import EvictionPolicy
@@ -87,6 +88,17 @@ class EvictionCore(Generic[N]):
         if node.cached_children == 0:
             self.policy.add_candidate(node)
 
+    def release_n(self, nodes: Sequence[N]) -> None:
+        """`release` for each of `nodes`, in order (one request's blocks, freed together),
+        with the policy ranking them in one call."""
+        self.policy.release_n(nodes)
+        add_candidate = self.policy.add_candidate
+        for node in nodes:
+            node.evictable = True
+            if node.cached_children == 0:
+                add_candidate(node)
+        self.num_evictable += len(nodes)
+
     def reclaim(self, node: N) -> None:
         """An evictable `node` is held again (a prefix hit); no-op if it is not evictable."""
         if node.evictable:
@@ -104,10 +116,13 @@ class EvictionCore(Generic[N]):
 
     def remove(self, node: N) -> None:
         """`node` left the cache (evicted, invalidated, or its engine dropped its key)."""
-        if node.evictable:
-            self._withdraw(node)
-        parent = live_parent(node)
-        if parent is not None:
+        if node.evictable:  # _withdraw(node), inlined: this runs for every eviction
+            node.evictable = False
+            self.num_evictable -= 1
+            if node.cached_children == 0:
+                self.policy.discard_candidate(node)
+        parent = node.parent  # live_parent(node), inlined
+        if parent is not None and parent.serial == node.parent_serial:
             parent.cached_children -= 1
             if parent.cached_children == 0 and parent.evictable:
                 self.policy.add_candidate(parent)
@@ -135,8 +150,7 @@ class EvictionCore(Generic[N]):
 
     def next_victim(self) -> N | None:
         """The candidate the policy evicts first, or None. Changes nothing."""
-        victims = self.policy.choose_victims(1)
-        return victims[0] if victims else None  # type: ignore[return-value]
+        return self.policy.first_candidate()  # type: ignore[return-value]
 
     def is_candidate(self, node: N) -> bool:
         return node.evictable and node.cached_children == 0

@@ -17,6 +17,7 @@ Every method must run in O(log n) or better (amortised) in the number of cached 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from heapq import heapify, heappop, heappush
 from itertools import count
 from typing import TYPE_CHECKING, ClassVar
@@ -55,6 +56,13 @@ class EvictionPolicy(ABC):
         by release report this (SGLang stamps every node a lookup or insert walks); a
         policy ordered by recency takes a node's place from its latest access."""
 
+    def release_n(self, nodes: Sequence[CachedNode]) -> None:
+        """`release` for each of `nodes`, in order (one request's blocks, freed together).
+        No candidate changes in between, so a policy whose `release` does not read its
+        candidate set may override this to do the same work with less per node."""
+        for node in nodes:
+            self.release(node)
+
     def remove(self, node: CachedNode) -> None:
         """`node` left the cache (evicted or invalidated). It is never a candidate again."""
 
@@ -70,6 +78,11 @@ class EvictionPolicy(ABC):
     def choose_victims(self, n: int) -> list[CachedNode]:
         """Up to `n` distinct current candidates, the first to evict first. Changes nothing."""
 
+    def first_candidate(self) -> CachedNode | None:
+        """``choose_victims(1)``'s one victim, or None if there is no candidate."""
+        victims = self.choose_victims(1)
+        return victims[0] if victims else None
+
     @abstractmethod
     def __len__(self) -> int:
         """The number of current candidates."""
@@ -82,11 +95,13 @@ class RankedPolicy(EvictionPolicy):
     Subclasses implement `rank`; ties go to the node released first. Discarding a
     candidate only forgets it; its heap entry is dropped when it reaches the top (an
     entry is current while its node is a candidate released with that rank and order),
-    and the heap is rebuilt when stale entries outnumber current ones.
+    and the heap is rebuilt when stale entries outnumber current ones. A release makes
+    one ``(rank, release order, serial)`` entry, kept in ``_rank`` and pushed as is.
     """
 
     def __init__(self) -> None:
-        self._rank: dict[int, tuple[float, int]] = {}  # serial -> (rank, release order)
+        # serial -> its entry at its last release: (rank, release order, serial)
+        self._rank: dict[int, tuple[float, int, int]] = {}
         self._heap: list[tuple[float, int, int]] = []  # (rank, release order, serial)
         self._nodes: dict[int, CachedNode] = {}  # serial -> node, for current candidates
         self._releases = count()
@@ -96,18 +111,25 @@ class RankedPolicy(EvictionPolicy):
         """The node's standing when released: lower is evicted sooner."""
 
     def release(self, node: CachedNode) -> None:
-        self._rank[node.serial] = (self.rank(node), next(self._releases))
+        serial = node.serial
+        self._rank[serial] = (self.rank(node), next(self._releases), serial)
+
+    def release_n(self, nodes: Sequence[CachedNode]) -> None:
+        ranks, rank, releases = self._rank, self.rank, self._releases
+        for node in nodes:
+            serial = node.serial
+            ranks[serial] = (rank(node), next(releases), serial)
 
     def add_candidate(self, node: CachedNode) -> None:
-        rank, order = self._rank[node.serial]
-        self._nodes[node.serial] = node
-        heappush(self._heap, (rank, order, node.serial))
+        serial = node.serial
+        self._nodes[serial] = node
+        heappush(self._heap, self._rank[serial])
 
     def discard_candidate(self, node: CachedNode) -> None:
         if self._nodes.pop(node.serial, None) is not None and len(self._heap) > 64 + 2 * len(
             self._nodes
         ):
-            self._heap = [(*self._rank[serial], serial) for serial in self._nodes]
+            self._heap = [self._rank[serial] for serial in self._nodes]
             heapify(self._heap)
 
     def remove(self, node: CachedNode) -> None:
@@ -117,9 +139,11 @@ class RankedPolicy(EvictionPolicy):
         """The next victim, or None if there is no candidate."""
         heap, nodes, ranks = self._heap, self._nodes, self._rank
         while heap:
-            rank, order, serial = heap[0]
-            if serial in nodes and ranks[serial] == (rank, order):
-                return nodes[serial]
+            _, order, serial = heap[0]
+            node = nodes.get(serial)
+            # release orders are unique, so the order alone tells a current entry
+            if node is not None and ranks[serial][1] == order:
+                return node
             heappop(heap)
         return None
 
@@ -127,7 +151,7 @@ class RankedPolicy(EvictionPolicy):
         if n == 1:
             first = self.first_candidate()
             return [] if first is None else [first]
-        current = sorted((*self._rank[serial], serial) for serial in self._nodes)
+        current = sorted(self._rank[serial] for serial in self._nodes)
         return [self._nodes[serial] for *_, serial in current[:n]]
 
     def lowest_rank(self) -> float | None:

@@ -56,12 +56,19 @@ class CostPolicy(RankedPolicy):
         self.value = BlockValue(model, tokens_per_block)
         self.ghost_ratio = ghost_ratio
         self.inflation = 0.0
-        self._trial: dict[int, ReuseClass] = {}  # serial -> class of its open trial
+        # Classes travel as small int codes (see `credit`), hashed and stored with no
+        # tuple made per release; `_classes` names each code's class.
+        self._classes: dict[int, ReuseClass] = {}
+        self._trial: dict[int, int] = {}  # serial -> class code of its open trial
         self._credit: dict[int, int] = {}  # serial -> reuses remembered from its ghost
-        self._ghosts: OrderedDict[bytes, tuple[ReuseClass, int]] = OrderedDict()
+        # key -> reuses << 10 | class code (codes are below 1024): an int, not a tuple,
+        # so a ghost allocates nothing the garbage collector tracks
+        self._ghosts: OrderedDict[bytes, int] = OrderedDict()
         self._ghost_capacity = 0
         self._tried: dict[ReuseClass, int] = defaultdict(int)
         self._reused: dict[ReuseClass, int] = defaultdict(int)
+        # code -> reuse_probability(its class), while no trial of it closed since
+        self._probability: dict[int, float] = {}
 
     def bind(self, block_size: int, num_blocks: int) -> None:
         self.value.bind(block_size)
@@ -82,11 +89,34 @@ class CostPolicy(RankedPolicy):
         return (0, min(node.from_end, 3), int(node.request_hit), output)
 
     def credit(self, node: CachedNode) -> float:
-        """GreedyDual's credit for `node`, opening its class's trial."""
-        cls = self.classify(node)
-        self._trial[node.serial] = cls
-        frequency = 1 + min(node.hits, 3)
-        return frequency * self.reuse_probability(cls) * self.value(node)
+        """GreedyDual's credit for `node`, opening its class's trial.
+
+        The hot path of every release: `classify`, `reuses` and `reuse_probability` are
+        inlined here and must stay in step with them. The class is computed as an int
+        code, one per class (reused: ``reuses << 8 | output``; never reused: ``(from_end
+        << 1 | request_hit) << 4 | output``, below 256), and its probability read from
+        the cache."""
+        serial, hits = node.serial, node.hits
+        reuses = hits + self._credit.get(serial, 0) if self._credit else hits
+        output = node.request_output.bit_length()
+        if output > 12:
+            output = 12
+        if reuses:
+            code = (reuses if reuses < 3 else 3) << 8 | output
+        else:
+            from_end = node.from_end
+            code = ((from_end if from_end < 3 else 3) << 1 | bool(node.request_hit)) << 4 | output
+        self._trial[serial] = code
+        probability = self._probability.get(code)
+        if probability is None:
+            cls = self._classes.get(code)
+            if cls is None:
+                cls = self._classes[code] = self.classify(node)
+            probability = self._probability[code] = self.reuse_probability(cls)
+        frequency = 1 + (hits if hits < 3 else 3)
+        by_depth = self.value.by_depth
+        value = by_depth[node.depth] if node.depth < len(by_depth) else self.value(node)
+        return frequency * probability * value
 
     def rank(self, node: CachedNode) -> float:
         return self.inflation + self.credit(node)
@@ -94,31 +124,35 @@ class CostPolicy(RankedPolicy):
     def insert(self, node: CachedNode) -> None:
         ghost = self._ghosts.pop(node.key, None)
         if ghost is not None:  # evicted, and wanted again: it was reused after all
-            cls, hits = ghost
-            self._close(cls, reused=True)
+            hits, code = ghost >> 10, ghost & 1023
+            self._close(code, reused=True)
             self._credit[node.serial] = hits + 1
 
     def hit(self, node: CachedNode) -> None:
-        cls = self._trial.pop(node.serial, None)
-        if cls is not None:
-            self._close(cls, reused=True)
+        code = self._trial.pop(node.serial, None)
+        if code is not None:
+            self._close(code, reused=True)
 
     def remove(self, node: CachedNode) -> None:
-        ranked = self._rank.get(node.serial)
-        if ranked is not None:
-            self.inflation = max(self.inflation, ranked[0])
-        cls = self._trial.pop(node.serial, None)
-        if cls is not None:
-            self._ghosts[node.key] = (cls, self.reuses(node))
-            while len(self._ghosts) > self._ghost_capacity:
-                _, (old, _) = self._ghosts.popitem(last=False)
-                self._close(old, reused=False)
-        self._credit.pop(node.serial, None)
-        super().remove(node)
+        serial = node.serial
+        ranked = self._rank.pop(serial, None)  # RankedPolicy.remove's whole work
+        if ranked is not None and ranked[0] > self.inflation:
+            self.inflation = ranked[0]
+        code = self._trial.pop(serial, None)
+        if code is not None:
+            ghosts = self._ghosts
+            ghosts[node.key] = (node.hits + self._credit.get(serial, 0)) << 10 | code  # reuses()
+            while len(ghosts) > self._ghost_capacity:
+                _, old = ghosts.popitem(last=False)
+                self._close(old & 1023, reused=False)
+        if self._credit:
+            self._credit.pop(serial, None)
 
-    def _close(self, cls: ReuseClass, reused: bool) -> None:
+    def _close(self, code: int, reused: bool) -> None:
+        cls = self._classes[code]
         self._tried[cls] += 1
         self._reused[cls] += reused
+        self._probability.pop(code, None)
 
     def learned(self) -> dict[ReuseClass, tuple[int, float]]:
         """Each class seen so far: (closed trials, estimated reuse probability)."""

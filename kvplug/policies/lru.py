@@ -39,7 +39,7 @@ class LRUPolicy(RankedPolicy):
         if order is None:
             super().release(node)
         else:
-            self._rank[node.serial] = (0.0, order)
+            self._rank[node.serial] = (0.0, order, node.serial)
 
     def release_n(self, nodes: Sequence[CachedNode]) -> None:
         if not self._accessed:

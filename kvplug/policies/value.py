@@ -21,7 +21,7 @@ class BlockValue:
     def __init__(self, model: str | ModelSpec | None = None, tokens_per_block: int | None = None):
         self.model = model if isinstance(model, ModelSpec) else load_model(model)
         self.tokens_per_block = tokens_per_block
-        self._by_depth: list[float] = []
+        self.by_depth: list[float] = []  # the value at each depth computed so far
 
     def bind(self, block_size: int) -> None:
         if self.tokens_per_block is None:
@@ -29,9 +29,11 @@ class BlockValue:
 
     def __call__(self, node: CachedNode) -> float:
         depth = node.depth
-        while len(self._by_depth) <= depth:
+        if depth < len(self.by_depth):
+            return self.by_depth[depth]
+        while len(self.by_depth) <= depth:
             t = self.tokens_per_block or 1
-            d = len(self._by_depth)
+            d = len(self.by_depth)
             flops = self.model.prefill_flops(d * t, (d + 1) * t)
-            self._by_depth.append(flops / self.model.prefill_flops(0, t))
-        return self._by_depth[depth]
+            self.by_depth.append(flops / self.model.prefill_flops(0, t))
+        return self.by_depth[depth]

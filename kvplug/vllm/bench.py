@@ -32,11 +32,12 @@ more steps.
 Timing: as vLLM's engine core does once its scheduler is built, the start-up heap is
 frozen (``gc.freeze``) and the garbage collector stays on. The timed steps are interleaved:
 ``rounds`` rounds, each running a share of every arm's ``steps`` steps (the order rotates),
-so a busy machine slows all arms alike. Reported per arm: the median step (wall) time and
-its ratio to the stock arm's, the range of the per-round ratios, the mean (which includes
-the rare long steps, such as full garbage collections) and the median thread CPU time, each
-with its ratio; the mean time in the garbage collector; the medians of the three parts;
-scheduled and prefix-hit tokens; evictions (kvplug arms; stock vLLM does not count them).
+so a busy machine slows all arms alike. Reported per arm: the median (p50) step (wall) time
+and its ratio to the stock arm's, the range of the per-round ratios, the 99th percentile
+(p99), the mean (which includes the rare long steps, such as full garbage collections) and
+the median thread CPU time, each with its ratio; the mean time in the garbage collector and
+its share of all timed wall time; the medians of the three parts; scheduled and prefix-hit
+tokens; evictions (kvplug arms; stock vLLM does not count them).
 
 With the ``lru`` policy kvplug evicts in vLLM's order, so the lru and stock arms do the same
 work step for step (they schedule the same tokens); other policies keep other blocks, so
@@ -107,14 +108,17 @@ class ArmResult:
 
     arm: str
     num_blocks: int
-    step_ms: float  # median wall time over all timed steps
+    step_ms: float  # median (p50) wall time over all timed steps
     ratio: float = 1.0
+    p99_ms: float = 0.0  # 99th percentile of the wall time
+    p99_ratio: float = 1.0
     round_ratios: list[float] = field(default_factory=list)  # of the per-round medians
     mean_ms: float = 0.0  # mean wall time (includes the rare long steps: full GC, ...)
     mean_ratio: float = 1.0
     cpu_ms: float = 0.0  # median thread CPU time (less sensitive to a busy machine)
     cpu_ratio: float = 1.0
     gc_ms: float = 0.0  # mean time in the garbage collector
+    gc_share: float = 0.0  # the garbage collector's share of the total wall time
     add_ms: float = 0.0  # medians of the step's parts (wall)
     schedule_ms: float = 0.0
     update_ms: float = 0.0
@@ -387,6 +391,13 @@ def _median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3
 
 
+def _percentile_ms(values: list[float], percent: int) -> float:
+    """The `percent`-th percentile of `values` (seconds), in milliseconds."""
+    if len(values) < 2:
+        return values[0] * 1e3
+    return statistics.quantiles(values, n=100, method="inclusive")[percent - 1] * 1e3
+
+
 def bench_size(
     model_dir: Path,
     num_blocks: int,
@@ -429,6 +440,7 @@ def bench_size(
     stock = results[0]
     for result in results:
         result.ratio = result.step_ms / stock.step_ms
+        result.p99_ratio = result.p99_ms / stock.p99_ms
         result.mean_ratio = result.mean_ms / stock.mean_ms
         result.cpu_ratio = result.cpu_ms / stock.cpu_ms
         result.round_ratios = [
@@ -449,9 +461,11 @@ def _result(
         arm=arm.name,
         num_blocks=num_blocks,
         step_ms=_median_ms([t.wall for t in times]),
+        p99_ms=_percentile_ms([t.wall for t in times], 99),
         mean_ms=statistics.fmean(t.wall for t in times) * 1e3,
         cpu_ms=_median_ms([t.cpu for t in times]),
         gc_ms=statistics.fmean(t.gc for t in times) * 1e3,
+        gc_share=sum(t.gc for t in times) / max(sum(t.wall for t in times), 1e-12),
         add_ms=_median_ms([t.add for t in times]),
         schedule_ms=_median_ms([t.schedule for t in times]),
         update_ms=_median_ms([t.update for t in times]),
@@ -514,8 +528,9 @@ def report(results: list[ArmResult], workload: Workload, steps: int, rounds: int
 
 def format_table(results: list[ArmResult]) -> str:
     header = (
-        f"{'blocks':>8} {'arm':<6} {'median ms':>9} {'ratio':>6} {'rounds':>10} "
-        f"{'mean ms':>8} {'ratio':>6} {'cpu ms':>7} {'ratio':>6} {'gc ms':>6} "
+        f"{'blocks':>8} {'arm':<6} {'p50 ms':>9} {'ratio':>6} {'rounds':>10} "
+        f"{'p99 ms':>8} {'ratio':>6} "
+        f"{'mean ms':>8} {'ratio':>6} {'cpu ms':>7} {'ratio':>6} {'gc ms':>6} {'gc %':>5} "
         f"{'add':>6} {'sched':>6} {'update':>6} {'tok/step':>8} {'hit %':>6} {'evicted':>8}"
     )
     lines = [header, "-" * len(header)]
@@ -525,8 +540,10 @@ def format_table(results: list[ArmResult]) -> str:
         evictions = "-" if r.evictions is None else f"{r.evictions:,}"
         lines.append(
             f"{r.num_blocks:>8,} {r.arm:<6} {r.step_ms:>9.3f} {r.ratio:>5.2f}x {span:>10} "
+            f"{r.p99_ms:>8.3f} {r.p99_ratio:>5.2f}x "
             f"{r.mean_ms:>8.3f} {r.mean_ratio:>5.2f}x {r.cpu_ms:>7.3f} {r.cpu_ratio:>5.2f}x "
-            f"{r.gc_ms:>6.3f} {r.add_ms:>6.3f} {r.schedule_ms:>6.3f} {r.update_ms:>6.3f} "
+            f"{r.gc_ms:>6.3f} {100 * r.gc_share:>5.1f} "
+            f"{r.add_ms:>6.3f} {r.schedule_ms:>6.3f} {r.update_ms:>6.3f} "
             f"{r.scheduled_tokens / max(r.timed_steps, 1):>8.0f} {hit:>6.1f} {evictions:>8}"
         )
     return "\n".join(lines)

@@ -4,26 +4,33 @@
 and metrics collector. It changes two things:
 
 - its free queue is a `kvplug.vllm.free_queue.PolicyFreeQueue`, which hands out blocks
-  without a hash first (as vLLM does) and then asks the pool for a victim;
-- each block holding a hash has a `CachedBlock` record, the node kvplug's eviction core
+  without a hash first (as vLLM does) and then a victim;
+- with every policy but ``lru`` (the pool is *tracked*), each block holding a hash has a
+  `CachedBlock` record, the node kvplug's eviction core
   (`kvplug.core.eviction.EvictionCore`, the same one `KVCache` uses) and its policy see.
   The pool tells the core when a record is cached (with the block before it in its
-  request's chain, for full-attention groups), released, hit and dropped, and the core
-  names the victim: the policy's lowest-ranked *leaf*, so a shared root is evicted after
-  the leaves below it.
+  request's chain, for full-attention groups), released (a request's blocks in one
+  call), hit and dropped, and the core names the victim: the policy's lowest-ranked
+  *leaf*, so a shared root is evicted after the leaves below it.
+
+With ``lru`` the pool is not tracked: the queue evicts the block released longest ago,
+which is vLLM's own order (fresh blocks first, then cached blocks least recently released
+first, a request's tail before its head), so kvplug reproduces stock vLLM's cache hits
+exactly. A request holding a block holds every block before it, and frees them tail
+first, so in that order a block is released no earlier than the blocks below it (unless
+vLLM cached two blocks with one hash; this mode then still follows vLLM): the leaf rule
+would change nothing, and no record, ranking or tree is kept. The pool still counts
+hits, evictions, churn and cached blocks, exactly as when tracked.
 
 Invariants (checked by `check_invariants`):
 
 - every block other than the null block is held (``ref_cnt > 0``), fresh, or cached,
   never two of these; ``num_free_blocks`` is the number of fresh plus cached blocks;
-- a block's live record holds the block's current hash, and is evictable exactly while
-  the block is in the queue's cached set;
-- the policy's candidates are exactly the evictable records that no cached record names
-  as its live parent.
-
-With the ``lru`` policy the hand-out order is vLLM's own (fresh blocks first, then
-cached blocks least recently released first, a request's tail before its head), so
-kvplug reproduces stock vLLM's cache hits exactly.
+- a block's key (the hash the pool accounts for) is its current hash, and every cached
+  block has one; when tracked, its live record holds that key and is evictable exactly
+  while the block is in the queue's cached set;
+- when tracked, the policy's candidates are exactly the evictable records that no cached
+  record names as its live parent; when not, the policy has no candidates.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.policies.base import EvictionPolicy
+from kvplug.policies.lru import LRUPolicy
 from kvplug.vllm.free_queue import PolicyFreeQueue
 from kvplug.vllm.stats import PoolStats
 
@@ -68,12 +76,12 @@ class CachedBlock:
     def __init__(self, block: KVCacheBlock) -> None:
         self.block = block
         self.parent: CachedBlock | None = None
-        self.reset(-1, 0)
+        self.reset(-1, None, 0)
 
-    def reset(self, serial: int, depth: int) -> None:
-        """Start a new identity: `serial` (-1: no hash), the block's current hash."""
+    def reset(self, serial: int, key: Any, depth: int) -> None:
+        """Start a new identity: `serial` (-1: no hash) for the block's hash `key`."""
         self.serial = serial
-        self.key = self.block.block_hash
+        self.key = key
         self.depth = depth
         self.hits = 0
         self.from_end = 0
@@ -90,17 +98,25 @@ class KVPlugBlockPool(BlockPool):
     Constructed by vLLM's KV cache coordinator with vLLM's own arguments; the policy and
     statistics are attached by `kvplug.vllm.kv_cache_manager.attach_policy` through
     `use_policy` before any request arrives.
+
+    Per-block state lives in lists indexed by block id: ``_keys[i]`` is the hash the pool
+    accounts for on block ``i`` (None: none; otherwise the block's current hash), and,
+    when `tracked`, ``_slots[i]`` is its `CachedBlock`, live exactly while ``_keys[i]`` is
+    set. Hot paths read vLLM's ``KVCacheBlock._block_hash`` slot directly: its
+    ``block_hash`` property costs a Python call per read.
     """
 
     eviction: EvictionCore[CachedBlock]
     stats: PoolStats
+    tracked: bool  # the eviction core ranks every cached block (any policy but exact lru)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # vLLM's constructor built its own queue and took the null block from it.
         self.free_block_queue = PolicyFreeQueue(self, [b for b in self.blocks if not b.is_null])
         self._slots = [CachedBlock(block) for block in self.blocks]  # by block id
-        self._records: dict[int, CachedBlock] = {}  # block id -> record, while it has a hash
+        self._keys: list[Any] = [None] * len(self.blocks)  # by block id
+        self._num_keys = 0  # blocks whose _keys entry is set
         self._serials = count()
         self.releasing = Release()
         self._evicted: OrderedDict[Any, None] = OrderedDict()  # recent victims' hashes
@@ -115,27 +131,41 @@ class KVPlugBlockPool(BlockPool):
     ) -> None:
         """Rank with `policy` and count into `stats`. Blocks of the KV cache groups in
         `tree_groups` (full attention: a hit needs every block before it) are evicted
-        leaves first; others (sliding window) have no parent. None means every group."""
-        if self._records:
+        leaves first; others (sliding window) have no parent. None means every group.
+
+        kvplug's `LRUPolicy` is vLLM's own order (least recently released first, a
+        request's tail first), and in that order a cached child is always released before
+        its parent, so the leaf rule never changes its choice: with it the pool keeps no
+        records and the queue evicts in release order (``tracked`` is False)."""
+        if self._num_keys:
             raise RuntimeError("the policy can only be chosen while nothing is cached")
         policy.bind(self.hash_block_size, self.num_gpu_blocks)
         self.eviction = EvictionCore(policy)
         self.stats = stats
         self.tree_groups = tree_groups
+        self.tracked = type(policy) is not LRUPolicy
+        self.free_block_queue.tracked = self.tracked
 
     def num_cached_blocks(self) -> int:
         """Blocks holding a reusable hash, held or free."""
-        return len(self._records)
+        return self._num_keys
 
     # -- vLLM's entry points -------------------------------------------------------------
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """A request reuses `blocks` (prefix hits): count the hit, then take a reference."""
-        records, hit, hits = self._records, self.eviction.hit, 0
-        for block in blocks:
-            record = records.get(block.block_id)
-            if record is not None and record.key == block.block_hash:
-                hits += 1
-                hit(record)
+        keys, hits = self._keys, 0
+        if self.tracked:
+            slots, hit = self._slots, self.eviction.hit
+            for block in blocks:
+                key = keys[block.block_id]
+                if key is not None and key == block._block_hash:
+                    hits += 1
+                    hit(slots[block.block_id])
+        else:
+            for block in blocks:
+                key = keys[block.block_id]
+                if key is not None and key == block._block_hash:
+                    hits += 1
         self.stats.block_hits += hits
         super().touch(blocks)
 
@@ -154,13 +184,23 @@ class KVPlugBlockPool(BlockPool):
             request, blocks, num_cached_blocks, num_full_blocks, block_size,
             kv_cache_group_id, block_mask,
         )  # fmt: skip
+        keys = self._keys
+        if not self.tracked:
+            for i in range(num_cached_blocks, num_full_blocks):
+                block = blocks[i]
+                key = block._block_hash
+                if key is not None and keys[block.block_id] != key:
+                    self._adopt(block, key)
+            return
         tree = self.tree_groups is None or kv_cache_group_id in self.tree_groups
-        parent = self._records.get(blocks[num_cached_blocks - 1].block_id) if (
-            tree and num_cached_blocks > 0
-        ) else None  # fmt: skip
+        parent = None
+        if tree and num_cached_blocks > 0:
+            before = blocks[num_cached_blocks - 1]
+            if keys[before.block_id] is not None:
+                parent = self._slots[before.block_id]
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.is_null or block.block_hash is None:
+            if block.is_null or block._block_hash is None:
                 parent = None
                 continue
             record = self._record(block, parent)
@@ -170,71 +210,115 @@ class KVPlugBlockPool(BlockPool):
         if not super().reset_prefix_cache():
             return False
         self.free_block_queue.make_all_fresh()
-        for record in list(self._records.values()):
-            self._forget(record)
+        for block in self.blocks:
+            if self._keys[block.block_id] is not None:
+                self._forget(block)
         return True
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """vLLM drops a block's hashes when it is handed out or evicted on request."""
-        record = self._records.get(block.block_id)
-        if record is not None:
-            if record.evictable:  # evicted on request while free: it is fresh from now on
-                self.free_block_queue.remove(block)
-                self.free_block_queue.prepend_n([block])
-            self._forget(record)
+        if self._keys[block.block_id] is not None:
+            queue = self.free_block_queue
+            if queue.is_cached(block):  # evicted on request while free: fresh from now on
+                queue.remove(block)
+                queue.prepend_n([block])
+            self._forget(block)
         return super()._maybe_evict_cached_block(block)
 
     # -- called by PolicyFreeQueue ------------------------------------------------------
-    def on_free(self, block: KVCacheBlock, from_end: int) -> None:
-        """`block` (with a hash) lost its last holder: rank it and offer it for eviction."""
-        record = self._record(block, None)
-        record.from_end = from_end
-        record.request_hit = self.releasing.request_hit
-        record.request_output = self.releasing.output_tokens
-        self.eviction.release(record)
+    def on_free_n(self, released: list[tuple[int, KVCacheBlock]]) -> None:
+        """Blocks (with a hash) lost their last holder, each with its `from_end` (blocks
+        of the releasing request after it): rank them and offer them for eviction."""
+        keys = self._keys
+        if not self.tracked:  # the queue's release order is the ranking
+            for _, block in released:
+                key = block._block_hash
+                if keys[block.block_id] != key:
+                    self._adopt(block, key)
+            return
+        slots, release_n = self._slots, self.eviction.release_n
+        records: list[CachedBlock] = []
+        request_hit = self.releasing.request_hit
+        output_tokens = self.releasing.output_tokens
+        for from_end, block in released:
+            if keys[block.block_id] == block._block_hash:
+                record = slots[block.block_id]
+            else:  # a hash not cached through cache_full_blocks: record it now
+                if records:  # rank the blocks before it first, as one at a time would
+                    release_n(records)
+                    records = []
+                record = self._record(block, None)
+            record.from_end = from_end
+            record.request_hit = request_hit
+            record.request_output = output_tokens
+            records.append(record)
+        if records:
+            release_n(records)
 
     def on_unfree(self, block: KVCacheBlock) -> None:
         """`block` left the queue's cached set without being evicted (a prefix hit)."""
-        self.eviction.reclaim(self._records[block.block_id])
+        if self.tracked:
+            self.eviction.reclaim(self._slots[block.block_id])
 
     def evict_next(self) -> KVCacheBlock:
-        """Evict the eviction core's next victim (its record goes now, its hash when vLLM
-        hands the block out) and return its block."""
+        """Forget the eviction core's next victim (its hash goes when vLLM hands the block
+        out) and return its block; the queue then calls `on_evicted`. Tracked only."""
         victim = self.eviction.next_victim()
         if victim is not None:
             block: KVCacheBlock = victim.block
         else:  # unreachable while the child counts are exact; never strand a free block
             block = self.free_block_queue.any_cached()
-        self._forget(self._records[block.block_id])
-        self.stats.evictions += 1
-        evicted = self._evicted
-        evicted[block.block_hash] = None
-        if len(evicted) > self.num_gpu_blocks:
-            evicted.popitem(last=False)
+        self._forget(block)
         return block
 
+    def on_evicted(self, blocks: list[KVCacheBlock]) -> None:
+        """The queue evicted `blocks` (their hashes go when vLLM hands them out): forget
+        them (when tracked, `evict_next` did), count them and remember their hashes, for
+        churn."""
+        if not self.tracked:
+            keys = self._keys
+            for block in blocks:
+                keys[block.block_id] = None
+            self._num_keys -= len(blocks)
+        self.stats.evictions += len(blocks)
+        evicted = self._evicted
+        for block in blocks:
+            evicted[block._block_hash] = None
+        while len(evicted) > self.num_gpu_blocks:
+            evicted.popitem(last=False)
+
     # -- helpers ---------------------------------------------------------------------------
+    def _adopt(self, block: KVCacheBlock, key: Any) -> None:
+        """`block` holds `key`, which the pool does not account for yet: count it."""
+        if self._keys[block.block_id] is not None:  # the block holds another hash now
+            self._forget(block)
+        if self._evicted.pop(key, 0) is None:
+            self.stats.churn += 1
+        self._keys[block.block_id] = key
+        self._num_keys += 1
+
     def _record(self, block: KVCacheBlock, parent: CachedBlock | None) -> CachedBlock:
         """The record of `block` under its current hash, made below `parent` if new."""
-        record = self._records.get(block.block_id)
-        if record is not None and record.key == block.block_hash:
-            return record
-        if record is not None:  # the block holds another hash now
-            self._forget(record)
-        num_tokens = block.block_hash_num_tokens or self.hash_block_size
+        key = block._block_hash
         record = self._slots[block.block_id]
-        record.reset(next(self._serials), max(num_tokens // self.hash_block_size - 1, 0))
-        if self._evicted.pop(block.block_hash, 0) is None:
-            self.stats.churn += 1
+        if self._keys[block.block_id] == key:
+            return record
+        self._adopt(block, key)
+        size = self.hash_block_size
+        depth = (block._block_hash_num_tokens or size) // size - 1
+        record.reset(next(self._serials), key, depth if depth > 0 else 0)
         self.eviction.insert(record, parent)
-        self._records[block.block_id] = record
         return record
 
-    def _forget(self, record: CachedBlock) -> None:
-        """`record`'s block no longer holds its hash: it leaves the eviction core."""
-        self.eviction.remove(record)
-        del self._records[record.block.block_id]
-        record.serial = -1  # records that name it as parent see a dead link
+    def _forget(self, block: KVCacheBlock) -> None:
+        """`block` no longer holds the hash the pool accounts for: it leaves the eviction
+        core (tracked) and the pool's count."""
+        if self.tracked:
+            record = self._slots[block.block_id]
+            self.eviction.remove(record)
+            record.serial = -1  # records that name it as parent see a dead link
+        self._keys[block.block_id] = None
+        self._num_keys -= 1
 
     def check_invariants(self) -> None:
         """Raise AssertionError if a module-level invariant does not hold."""
@@ -244,20 +328,30 @@ class KVPlugBlockPool(BlockPool):
                 continue
             states = [block.ref_cnt > 0, queue.is_fresh(block), queue.is_cached(block)]
             assert sum(states) == 1, f"block {block.block_id}: held/fresh/cached = {states}"
-            record = self._records.get(block.block_id)
-            if record is not None:
-                assert record.key == block.block_hash, f"block {block.block_id}: stale record"
-                assert record.evictable == queue.is_cached(block), block.block_id
+            key = self._keys[block.block_id]
+            if key is not None:
+                assert key == block.block_hash, f"block {block.block_id}: stale key"
+                if self.tracked:
+                    record = self._slots[block.block_id]
+                    assert record.key == key, f"block {block.block_id}: stale record"
+                    assert record.evictable == queue.is_cached(block), block.block_id
+            else:
+                assert not queue.is_cached(block), f"block {block.block_id}: cached, no key"
         assert queue.num_free_blocks == sum(
             1 for b in self.blocks if not b.is_null and b.ref_cnt == 0
         )
+        assert self._num_keys == sum(1 for key in self._keys if key is not None)
+        if not self.tracked:
+            assert len(self.policy) == 0, "an untracked policy has candidates"
+            return
+        records = [self._slots[i] for i, key in enumerate(self._keys) if key is not None]
         children: dict[int, int] = {}
-        for record in self._records.values():
+        for record in records:
             parent = live_parent(record)
             if parent is not None:
                 children[parent.serial] = children.get(parent.serial, 0) + 1
         leaves = 0
-        for record in self._records.values():
+        for record in records:
             found = children.get(record.serial, 0)
             assert record.cached_children == found, (
                 f"block {record.block.block_id}: {record.cached_children} cached children "

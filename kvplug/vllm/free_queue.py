@@ -5,9 +5,10 @@ out its head. `PolicyFreeQueue` has the same interface, split in two:
 
 - *fresh* blocks hold nothing reusable (no hash). They go out first, the most recently
   freed first, as in vLLM (which prepends them to its queue).
-- *cached* blocks (a hash, no holder) are the eviction candidates' pool: when no fresh
-  block is left, the queue asks its `KVPlugBlockPool` to evict the eviction core's next
-  victim.
+- *cached* blocks (a hash, no holder) are the eviction candidates' pool, kept in release
+  order: when no fresh block is left, the queue evicts the eviction core's next victim
+  (its `KVPlugBlockPool` names it), or, when the pool does not track its blocks (``lru``),
+  the block released longest ago, which is that policy's choice.
 
 Invariant: a block is in at most one of the two sets, and ``num_free_blocks`` is their
 total size.
@@ -15,7 +16,7 @@ total size.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import count
 from typing import TYPE_CHECKING
@@ -39,10 +40,25 @@ class PolicyFreeQueue:
         self.pool = pool
         self._fresh: deque[tuple[KVCacheBlock, int]] = deque()  # right end goes out first
         self._fresh_entry: dict[int, int] = {}  # block id -> serial of its live entry
-        self._cached: dict[int, KVCacheBlock] = {}  # block id -> block, ranked by policy
+        # block id -> block, in release order (the victim order when not `tracked`)
+        self._cached: dict[int, KVCacheBlock] = {}
+        self._tracked = True
         self._serials = count()
         for block in reversed(blocks):
             self._push_fresh(block, first=True)
+
+    @property
+    def tracked(self) -> bool:
+        """Whether the pool's eviction core names the victims (else: release order)."""
+        return self._tracked
+
+    @tracked.setter
+    def tracked(self, tracked: bool) -> None:
+        if self._cached:
+            raise RuntimeError("the eviction mode can only change while nothing is cached")
+        self._tracked = tracked
+        # only the release-order mode needs OrderedDict's O(1) pop of the oldest
+        self._cached = {} if tracked else OrderedDict()
 
     # -- the interface of vLLM's FreeKVCacheBlockQueue --------------------------------
     @property
@@ -57,7 +73,7 @@ class PolicyFreeQueue:
                 return block
         if not self._cached:
             raise ValueError("No free block is available")
-        return self._take_victim()
+        return self._take_victims(1)[0]
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         taken: list[KVCacheBlock] = []
@@ -70,15 +86,15 @@ class PolicyFreeQueue:
         if len(taken) < n:
             if len(taken) + len(self._cached) < n:
                 raise ValueError("Not enough free blocks are available")
-            for _ in range(n - len(taken)):
-                taken.append(self._take_victim())
+            taken += self._take_victims(n - len(taken))
         return taken
 
     def remove(self, block: KVCacheBlock) -> None:
         if self._fresh_entry.pop(block.block_id, None) is not None:
             return
         del self._cached[block.block_id]
-        self.pool.on_unfree(block)
+        if self._tracked:
+            self.pool.on_unfree(block)
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])
@@ -87,12 +103,17 @@ class PolicyFreeQueue:
         """Free `blocks`, the first to be evicted first: cached ones are ranked, others
         wait behind every fresh block (vLLM uses this for blocks still being read)."""
         caching = self.pool.enable_caching
-        for from_end, block in enumerate(blocks):  # vLLM passes a request's blocks tail first
-            if caching and block.block_hash is not None:
-                self._cached[block.block_id] = block
-                self.pool.on_free(block, from_end)
+        cached = self._cached
+        released: list[tuple[int, KVCacheBlock]] = []  # (from_end, block)
+        for item in enumerate(blocks):  # vLLM passes a request's blocks tail first
+            block = item[1]
+            if caching and block._block_hash is not None:
+                cached[block.block_id] = block
+                released.append(item)
             else:
                 self._push_fresh(block, first=False)
+        if released:
+            self.pool.on_free_n(released)
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Free blocks that hold nothing reusable; `blocks[0]` goes out first."""
@@ -125,10 +146,21 @@ class PolicyFreeQueue:
             self.remove(block)
             self._push_fresh(block, first=True)
 
-    def _take_victim(self) -> KVCacheBlock:
-        block = self.pool.evict_next()
-        del self._cached[block.block_id]
-        return block
+    def _take_victims(self, n: int) -> list[KVCacheBlock]:
+        """Evict `n` cached blocks (there are that many), the pool's choices in order."""
+        cached, pool = self._cached, self.pool
+        victims: list[KVCacheBlock] = []
+        if self._tracked:
+            for _ in range(n):
+                block = pool.evict_next()
+                del cached[block.block_id]
+                victims.append(block)
+        else:
+            assert isinstance(cached, OrderedDict)
+            for _ in range(n):
+                victims.append(cached.popitem(last=False)[1])
+        pool.on_evicted(victims)
+        return victims
 
     def _push_fresh(self, block: KVCacheBlock, first: bool) -> None:
         serial = next(self._serials)
