@@ -145,7 +145,7 @@ class RankedSet(Generic[N]):
 
     def _rank(self, node: N, recency: Recency) -> None:
         self.policy.release(node)
-        rank = self.policy._rank[node.serial][0]  # the rank the policy gave at release
+        rank = self.policy.rank_of(node)
         key = (rank, recency)
         self._key[node.serial] = key
         heappush(self._heap, (*key, node.serial))

@@ -157,7 +157,11 @@ class RankedPolicy(EvictionPolicy):
     def lowest_rank(self) -> float | None:
         """The rank of the next victim, or None if there is no candidate."""
         first = self.first_candidate()
-        return None if first is None else self._rank[first.serial][0]
+        return None if first is None else self.rank_of(first)
+
+    def rank_of(self, node: CachedNode) -> float:
+        """The rank `node` was given at its latest release (it must have been released)."""
+        return self._rank[node.serial][0]
 
     def __len__(self) -> int:
         return len(self._nodes)
