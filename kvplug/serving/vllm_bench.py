@@ -21,7 +21,6 @@ import math
 import shlex
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,7 +180,3 @@ def summarize_bench(
     summary.server_preemptions = metrics.get(counters.preemptions)
     summary.kvplug_metrics = metrics.kvplug()
     return summary
-
-
-def new_result_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="kvplug-vllm-bench-"))
