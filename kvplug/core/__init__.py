@@ -1,7 +1,7 @@
 """kvplug's engine-neutral core: keys, blocks, the prefix index, eviction, and `KVCache`.
 
 Nothing here imports an engine, torch or a kernel library. The engine adapters
-(`kvplug.vllm`) and the replay (`kvplug.replay`) build on these modules; the one piece
+(`kvplug.vllm`, `kvplug.sglang`) and the replay (`kvplug.replay`) build on these modules; the one piece
 every one of them shares is the eviction core.
 
 | module | owns |
@@ -10,6 +10,7 @@ every one of them shares is the eviction core.
 | `pool` | physical blocks, `BlockState`, reference counts, the O(1) free queue |
 | `index` | the radix tree over block keys, one tree per namespace; matches verify tokens |
 | `eviction` | `EvictionCore`: the exact evictable leaves and the next victim, for every adapter |
+| `ranked_set` | `RankedSet`: state evicted from any node (SWA, Mamba), by rank then recency |
 | `prefix_cache` | `PrefixCache`: lookups, publication and eviction order over the index |
 | `fences` | `StepClock`: steps, fences, writes and releases that wait for a fence |
 | `cache` | `KVCache`, the one mutating facade: tables, append, fork (copy-on-write), finish |

@@ -10,7 +10,8 @@ from ``--radix-eviction-policy-config`` or the file named by ``$KVPLUG_CONFIG``.
 
 Importing this package does not import SGLang; every module below except `plugin` and
 `namespace` does. kvplug decides which node goes next (the eviction core in
-`kvplug.core.eviction`, the same one `KVCache` and the vLLM adapter run); SGLang keeps
+`kvplug.core.eviction`, the same one `KVCache` and the vLLM adapter run, and
+`kvplug.core.ranked_set` for state evicted from internal nodes); SGLang keeps
 its tree, allocation, locks, KV events and its own metrics.
 
 | module | owns |
@@ -18,7 +19,8 @@ its tree, allocation, locks, KV events and its own metrics.
 | `plugin` | the ``sglang.srt.plugins`` entry point: policy choices, strategies, backends |
 | `backend` | the ``kvplug`` cache factory, `apply_kvplug` (one set-up site), `KVPlugRadixCache` |
 | `tree_core` | `KVPlugTreeCore` (SGLang's Python tree core) and `NodeRecord` (the core's node) |
-| `components` | `KVPlugFullComponent`: lock walks and the device-eviction walk through the core |
+| `components` | `KVPlugFullComponent` (lock walks, device eviction through the core), `KVPlugSWAComponent`, `KVPlugMambaComponent` (device eviction through a ranked set) |
+| `ranked_lru` | `RankedLRUList`: SGLang's LRU list of SWA or Mamba state, feeding a kvplug `RankedSet` |
 | `strategy` | the ``kvplug-<name>`` strategies and kvplug's config from SGLang's arguments |
 | `namespace` | the tenant and namespace salt folded into each request's ``cache_salt`` |
 | `stats` | `CacheStats` and the Prometheus exporter for SGLang's multiprocess ``/metrics`` |
