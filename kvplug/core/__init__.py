@@ -1,8 +1,8 @@
 """kvplug's engine-neutral core: keys, blocks, the prefix index, eviction, and `KVCache`.
 
 Nothing here imports an engine, torch or a kernel library. The engine adapters
-(`kvplug.vllm`, `kvplug.sglang`) and the replay (`kvplug.replay`) build on these modules; the one piece
-every one of them shares is the eviction core.
+(`kvplug.vllm`, `kvplug.sglang`) and the replay (`kvplug.replay`) build on these
+modules; the one piece every one of them shares is the eviction core.
 
 | module | owns |
 |---|---|

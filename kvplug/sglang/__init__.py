@@ -19,8 +19,8 @@ its tree, allocation, locks, KV events and its own metrics.
 | `plugin` | the ``sglang.srt.plugins`` entry point: policy choices, strategies, backends |
 | `backend` | the ``kvplug`` cache factory, `apply_kvplug` (one set-up site), `KVPlugRadixCache` |
 | `tree_core` | `KVPlugTreeCore` (SGLang's Python tree core) and `NodeRecord` (the core's node) |
-| `components` | `KVPlugFullComponent` (lock walks, device eviction through the core), `KVPlugSWAComponent`, `KVPlugMambaComponent` (device eviction through a ranked set) |
-| `ranked_lru` | `RankedLRUList`: SGLang's LRU list of SWA or Mamba state, feeding a kvplug `RankedSet` |
+| `components` | `KVPlugFullComponent`, `KVPlugSWAComponent`, `KVPlugMambaComponent` |
+| `ranked_lru` | `RankedLRUList`: SGLang's SWA / Mamba LRU list, feeding a `RankedSet` |
 | `strategy` | the ``kvplug-<name>`` strategies and kvplug's config from SGLang's arguments |
 | `namespace` | the tenant and namespace salt folded into each request's ``cache_salt`` |
 | `stats` | `CacheStats` and the Prometheus exporter for SGLang's multiprocess ``/metrics`` |
