@@ -83,6 +83,7 @@ _LAZY_COMMANDS: dict[str, str] = {
     "budget": "kvplug.tools.budget:budget",
     "replay": "kvplug.replay.cli:replay",
     "demo": "kvplug.tools.demo:demo",
+    "hybrid-replay": "kvplug.replay.hybrid_cli:hybrid_replay",
     "sweep": "kvplug.tools.sweep:sweep",
 }
 
