@@ -24,6 +24,7 @@ class PoolStats:
     block_hits: int = 0  # cached blocks reused by a request
     evictions: int = 0  # cached blocks evicted to make room
     churn: int = 0  # evicted blocks cached again soon after (within a pool's worth)
+    retired: int = 0  # evicted as dependents: their junction lost another group's block
     cached_blocks: int = 0  # gauge: blocks with a reusable hash
     bytes_held: int = 0  # gauge: bytes of those blocks
     deferred_blocks: int = 0  # gauge: blocks freed but not yet returned (in-flight writes)
@@ -42,6 +43,7 @@ HELP = {
     "block_hits": "Cached blocks reused by requests",
     "evictions": "Cached blocks evicted by kvplug's policy",
     "churn": "Evicted blocks cached again within a pool's worth of evictions",
+    "retired": "Hybrid models: blocks evicted because their junction lost another group's block",
     "cached_blocks": "Blocks holding reusable KV state",
     "bytes_held": "Bytes of KV cache holding reusable state",
     "deferred_blocks": "Freed blocks held back until in-flight writes end",

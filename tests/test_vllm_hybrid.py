@@ -255,3 +255,63 @@ def test_smoke_replay_on_the_bundled_trace(spec):
         assert arm.stats().cached_blocks <= arm.capacity_blocks
         if policy is not None:
             arm.manager.block_pool.check_invariants()
+
+
+# ---------------------------------------------------------------- one decision across groups
+
+
+def test_kvplug_pool_knows_each_groups_kind():
+    gemma = make_arm(GEMMA, 61, "cost").manager.block_pool
+    assert gemma.group_kinds == {
+        **{i: GroupKind.SLIDING_WINDOW for i in range(5)},
+        5: GroupKind.FULL,
+    }
+    nemotron = make_arm(NEMOTRON, 61, "cost").manager.block_pool
+    assert sorted(nemotron.group_kinds.values()).count(GroupKind.MAMBA) == 6
+    full = make_arm(GEMMA.full_attention_equivalent(), 61, "cost").manager.block_pool
+    assert full.group_kinds == {}  # one kind: nothing spans groups
+
+
+def test_an_unmapped_group_spec_falls_back_with_one_warning(caplog):
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from kvplug.vllm.kv_cache_manager import group_kinds
+
+    class ChunkedThing(FullAttentionSpec):  # a subclass has its own hit rule
+        pass
+
+    def group(spec_type):
+        return SimpleNamespace(kv_cache_spec=object.__new__(spec_type))
+
+    config = SimpleNamespace(
+        kv_cache_groups=[group(SlidingWindowSpec), group(FullAttentionSpec), group(ChunkedThing)]
+    )
+    with caplog.at_level("WARNING"):
+        assert group_kinds(config) == {}
+    assert len(caplog.records) == 1
+    assert "ChunkedThing" in caplog.text and "SlidingWindowSpec" in caplog.text
+
+
+def test_a_victim_retires_its_position_in_the_other_sliding_window_groups():
+    arm = make_arm(GEMMA, 61, "cost")
+    assert arm.admit(0, [*A, F], 10) == 0
+    arm.finish(0)  # 60 blocks of A cached, none held
+    pool = arm.manager.block_pool
+    victim = pool.eviction.next_victim()
+    dependents = pool.dependents(victim)
+    position, group = victim.key[:-4], int.from_bytes(victim.key[-4:], "big")
+    expected = {g for g in range(5) if g != group}
+    assert {int.from_bytes(r.key[-4:], "big") for r, *_ in dependents} == expected
+    assert all(r.key[:-4] == position and r.evictable for r, *_ in dependents)
+    # a one-unit prompt takes 6 blocks (one per group), the pool has 1 fresh: 5 go, the
+    # victim and then its 4 dependents, before anything the policy would rank next
+    assert arm.admit(1, [500, F + 1], 1) == 0
+    assert pool.stats.evictions == 5 and pool.stats.retired == len(expected)
+    cached = pool.cached_block_hash_to_block
+    for g in range(6):
+        gone = cached.get_one_block(position + g.to_bytes(4, "big")) is None
+        assert gone == (g in expected or g == group)
+    assert arm.stats().evictions == pool.stats.evictions  # KV events saw every eviction
+    pool.check_invariants()

@@ -212,16 +212,22 @@ def run_with_aborts(llm: LLM, prompts: list[str]) -> dict[str, list[list[int]]]:
     return done
 
 
-def test_outputs_match_vllm_without_prefix_caching(models, engines):
+@pytest.mark.parametrize(("arch", "blocks"), [("llama", 48), ("gemma3", 100)])
+def test_outputs_match_vllm_without_prefix_caching(models, engines, arch, blocks):
+    """On the hybrid Gemma3-style model the pool's cross-group rule is on: a victim takes
+    the other sliding-window groups' blocks at its position with it."""
     prompts = skewed_prompts(seed=3, n=24)
-    reference_llm = make_llm(models["llama"], None, 48, enable_prefix_caching=False)
+    reference_llm = make_llm(models[arch], None, blocks, enable_prefix_caching=False)
     engines.append(reference_llm)
     reference = run_with_aborts(reference_llm, prompts)
-    kvplug = make_llm(models["llama"], "cost", 48)
+    kvplug = make_llm(models[arch], "cost", blocks)
     engines.append(kvplug)
     got = run_with_aborts(kvplug, prompts)
     stats = scheduler_of(kvplug).kvplug_stats
     assert stats.matched_tokens > 0 and stats.evictions > 0
+    hybrid = arch == "gemma3"
+    assert bool(scheduler_of(kvplug).kv_cache_manager.block_pool.group_kinds) == hybrid
+    assert (stats.retired > 0) == hybrid
     assert got == reference
     assert any(len(samples) == 2 for samples in got.values())
     assert len(got) < len(prompts)  # some were aborted

@@ -43,17 +43,42 @@ from kvplug.errors import ConfigError, UnknownPolicyError
 from kvplug.hybrid.junction import Hits, longest_hits
 from kvplug.hybrid.spec import HybridSpec
 from kvplug.policies import EvictionPolicy, make_policy
-from kvplug.policies.cost import CostPolicy
+from kvplug.policies.cost import CostPolicy, ReuseClass
+from kvplug.policies.node import CachedNode
 
 HYBRID_POLICIES = ("lru", "cost")
 
 
 class JunctionCostPolicy(CostPolicy):
-    """`cost` over junctions: the block value by depth is replaced by the junction's own
-    worth (FLOPs it saves per byte its removal frees)."""
+    """`cost` over junctions: GreedyDual with the junction's own worth (FLOPs it saves
+    per byte its removal frees) in place of a block's value by depth.
+
+    A junction's reuse class always includes its `from_end`, the junctions of the
+    releasing request's path below it (0: the deepest): a conversation's earlier turns
+    end in junctions that its later turns pass, reused once and then rarely again, and
+    the class tells them from the turn that is still open.
+    """
+
+    def classify(self, node: CachedNode) -> ReuseClass:
+        output = min(node.request_output.bit_length(), 12)
+        return (min(self.reuses(node), 3), min(node.from_end, 3), int(node.request_hit), output)
+
+    def credit(self, node: CachedNode) -> float:
+        serial = node.serial
+        reuses = min(self.reuses(node), 3)
+        output = min(node.request_output.bit_length(), 12)
+        code = ((reuses << 2 | min(node.from_end, 3)) << 1 | bool(node.request_hit)) << 4
+        code |= output
+        self._trial[serial] = code
+        probability = self._probability.get(code)
+        if probability is None:
+            if code not in self._classes:
+                self._classes[code] = self.classify(node)
+            probability = self._probability[code] = self.reuse_probability(self._classes[code])
+        return (1 + min(node.hits, 3)) * probability
 
     def rank(self, node: JunctionRecord) -> float:  # type: ignore[override]
-        return self.inflation + self.credit(node) / self.value(node) * node.worth
+        return self.inflation + self.credit(node) * node.worth
 
 
 def make_hybrid_policy(name: str, block_tokens: int) -> EvictionPolicy:
@@ -268,11 +293,14 @@ class HybridCache:
             self._release(node)
         if path:
             self._prune(path[-1])
+        below = 0  # junctions of this path below the node
         for node in reversed(path):
-            if node.record is not None and node.parent is not None:
-                node.record.from_end = len(path) - node.depth
-                node.record.request_hit = request.hit
-                node.record.request_output = request.output_units
+            record = node.record
+            if record is not None and node.parent is not None:
+                record.from_end = below
+                record.request_hit = request.hit
+                record.request_output = request.output_units
+                below += 1
         self._refresh_around(path)
 
     # ------------------------------------------------------------------ state changes

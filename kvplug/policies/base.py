@@ -105,6 +105,7 @@ class RankedPolicy(EvictionPolicy):
         self._heap: list[tuple[float, int, int]] = []  # (rank, release order, serial)
         self._nodes: dict[int, CachedNode] = {}  # serial -> node, for current candidates
         self._releases = count()
+        self.chosen = -1  # serial of the last victim `first_candidate` named
 
     @abstractmethod
     def rank(self, node: CachedNode) -> float:
@@ -143,6 +144,7 @@ class RankedPolicy(EvictionPolicy):
             node = nodes.get(serial)
             # release orders are unique, so the order alone tells a current entry
             if node is not None and ranks[serial][1] == order:
+                self.chosen = serial
                 return node
             heappop(heap)
         return None

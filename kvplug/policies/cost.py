@@ -19,8 +19,9 @@ and the evictable leaf with the lowest H goes first.
 - `reuses`, its hits since it entered the cache (saturating at 3, like the classes), is
   GreedyDual-Size-Frequency's frequency term: of two blocks with the same odds, the one
   reused more is more often right.
-- `L` is the inflation: it rises to each victim's H, so every score decays relative to
-  newly ranked blocks at the pace at which the workload evicts. No half-life is set.
+- `L` is the inflation: it rises to each victim's H (a block the policy chose), so every
+  score decays relative to newly ranked blocks at the pace at which the workload evicts.
+  No half-life is set.
   Ranks never change once given, so every operation is O(log n).
 
 A shared root is never a candidate while it has children, and its own H ages like any
@@ -136,7 +137,10 @@ class CostPolicy(RankedPolicy):
     def remove(self, node: CachedNode) -> None:
         serial = node.serial
         ranked = self._rank.pop(serial, None)  # RankedPolicy.remove's whole work
-        if ranked is not None and ranked[0] > self.inflation:
+        # L rises to the policy's own victims only: a block dropped for another reason
+        # (a hybrid junction's dependents, an invalidation) says nothing about the
+        # value of what stays
+        if ranked is not None and ranked[0] > self.inflation and serial == self.chosen:
             self.inflation = ranked[0]
         code = self._trial.pop(serial, None)
         if code is not None:

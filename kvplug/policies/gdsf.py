@@ -32,6 +32,6 @@ class GDSFPolicy(RankedPolicy):
 
     def remove(self, node: CachedNode) -> None:
         ranked = self._rank.get(node.serial)
-        if ranked is not None:
+        if ranked is not None and node.serial == self.chosen:  # the policy's own victim
             self.inflation = max(self.inflation, ranked[0])
         super().remove(node)

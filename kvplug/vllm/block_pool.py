@@ -35,8 +35,8 @@ Invariants (checked by `check_invariants`):
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
@@ -45,6 +45,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvplug.core.eviction import EvictionCore, live_parent
+from kvplug.core.groups import GroupKind
 from kvplug.policies.base import EvictionPolicy
 from kvplug.policies.lru import LRUPolicy
 from kvplug.vllm.free_queue import PolicyFreeQueue
@@ -57,6 +58,10 @@ class Release:
 
     output_tokens: int = 0
     request_hit: bool = False
+
+
+# victims whose position's sliding-window blocks in other groups are retired with them
+RETIRING_KINDS = (GroupKind.FULL, GroupKind.SLIDING_WINDOW)
 
 
 class CachedBlock:
@@ -127,11 +132,20 @@ class KVPlugBlockPool(BlockPool):
         return self.eviction.policy
 
     def use_policy(
-        self, policy: EvictionPolicy, stats: PoolStats, tree_groups: set[int] | None = None
+        self,
+        policy: EvictionPolicy,
+        stats: PoolStats,
+        tree_groups: set[int] | None = None,
+        group_kinds: Mapping[int, GroupKind] | None = None,
     ) -> None:
         """Rank with `policy` and count into `stats`. Blocks of the KV cache groups in
         `tree_groups` (full attention: a hit needs every block before it) are evicted
         leaves first; others (sliding window) have no parent. None means every group.
+
+        `group_kinds` (a hybrid model's groups, by id) makes one decision span the groups:
+        a hit is the junction every group serves, so when the policy evicts a block, the
+        other groups' blocks at the same position that only the junctions it served
+        needed are evicted next (`dependents`).
 
         kvplug's `LRUPolicy` is vLLM's own order (least recently released first, a
         request's tail first), and in that order a cached child is always released before
@@ -143,6 +157,9 @@ class KVPlugBlockPool(BlockPool):
         self.eviction = EvictionCore(policy)
         self.stats = stats
         self.tree_groups = tree_groups
+        self.group_kinds = dict(group_kinds or {})
+        # dependents to evict next: (record, its serial, the victim's key they depend on)
+        self._retiring: deque[tuple[CachedBlock, int, Any]] = deque()
         self.tracked = type(policy) is not LRUPolicy
         self.free_block_queue.tracked = self.tracked
 
@@ -263,13 +280,61 @@ class KVPlugBlockPool(BlockPool):
     def evict_next(self) -> KVCacheBlock:
         """Forget the eviction core's next victim (its hash goes when vLLM hands the block
         out) and return its block; the queue then calls `on_evicted`. Tracked only."""
+        retiring, is_candidate = self._retiring, self.eviction.is_candidate
+        cached, keys = self.cached_block_hash_to_block, self._keys
+        while retiring:
+            record, serial, needed = retiring.popleft()
+            # still dead: the victim's block was not cached again since (vLLM's map keeps
+            # the victim itself until it is handed out; the pool forgot it already)
+            again = cached.get_one_block(needed)
+            if again is not None and keys[again.block_id] == needed:
+                continue
+            if record.serial == serial and is_candidate(record):
+                block: KVCacheBlock = record.block
+                self.stats.retired += 1
+                self._forget(block)
+                return block
         victim = self.eviction.next_victim()
         if victim is not None:
-            block: KVCacheBlock = victim.block
+            block = victim.block
+            if self.group_kinds:
+                retiring.extend(self.dependents(victim))
         else:  # unreachable while the child counts are exact; never strand a free block
             block = self.free_block_queue.any_cached()
         self._forget(block)
         return block
+
+    def dependents(self, victim: CachedBlock) -> list[tuple[CachedBlock, int, Any]]:
+        """Evictable blocks of other groups at `victim`'s position that serve no junction
+        once it is gone, with their serials and the victim's key (a dependent is evicted
+        only while that key is not cached again).
+
+        A junction at position p needs every full-attention block before p and the window
+        of sliding-window blocks before p, in every group. So when a full-attention block
+        (a leaf) or one group's sliding-window block goes, the other sliding-window groups'
+        blocks at that position serve no junction. A full-attention block is never a
+        dependent (deeper junctions need it). Mamba states are not retired this way: on
+        the Mamba preset of the hybrid replay it cost saved compute (the policy then
+        relearns their reuse from ghosts it would not otherwise see); see the README."""
+        key = victim.key
+        kinds = self.group_kinds
+        if kinds.get(int.from_bytes(key[-4:], "big")) not in RETIRING_KINDS:
+            return []
+        position = key[:-4]
+        lookup, keys, slots = self.cached_block_hash_to_block.get_one_block, self._keys, self._slots
+        found = []
+        for group, kind in kinds.items():
+            if kind is not GroupKind.SLIDING_WINDOW:
+                continue
+            other = position + group.to_bytes(4, "big")
+            if other == key:
+                continue
+            block = lookup(other)
+            if block is not None and keys[block.block_id] == other:
+                record = slots[block.block_id]
+                if record.evictable:
+                    found.append((record, record.serial, key))
+        return found
 
     def on_evicted(self, blocks: list[KVCacheBlock]) -> None:
         """The queue evicted `blocks` (their hashes go when vLLM hands them out): forget

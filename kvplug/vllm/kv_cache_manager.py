@@ -12,6 +12,7 @@ policy. The scheduler (`kvplug.vllm.scheduler`) and the replay's ``vllm-kvplug``
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -19,13 +20,22 @@ from typing import Any
 from vllm.v1.core import kv_cache_coordinator
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched import scheduler as vllm_scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
+from kvplug.core.groups import GroupKind
 from kvplug.policies.base import EvictionPolicy
 from kvplug.vllm.block_pool import KVPlugBlockPool, Release
 from kvplug.vllm.stats import PoolStats
 
 _swap_lock = threading.Lock()
+logger = logging.getLogger(__name__)
+# vLLM's spec classes kvplug maps to state-group kinds (exact types: subclasses such as
+# chunked local attention or cross attention have other hit rules)
+SPEC_KINDS = {
+    FullAttentionSpec: GroupKind.FULL,
+    SlidingWindowSpec: GroupKind.SLIDING_WINDOW,
+    MambaSpec: GroupKind.MAMBA,
+}
 
 
 def matched_tokens(request: Any) -> int:
@@ -80,12 +90,33 @@ def tree_groups(kv_cache_config: Any) -> set[int]:
     return {i for i, group in enumerate(groups) if type(group.kv_cache_spec) is FullAttentionSpec}
 
 
+def group_kinds(kv_cache_config: Any) -> dict[int, GroupKind]:
+    """Each KV cache group's kind, for a hybrid model (groups of more than one kind);
+    empty for a single-kind model, or, with one warning naming them, when a group's spec
+    is one kvplug cannot map: vLLM's own coordinator then decides hits as always, and
+    kvplug ranks each block on its own."""
+    specs = [type(group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups]
+    unknown = sorted({spec.__name__ for spec in specs if spec not in SPEC_KINDS})
+    if unknown:
+        logger.warning(
+            "kvplug: KV cache groups of type %s have no cross-group rule in kvplug (it maps "
+            "%s); each block is ranked on its own under vLLM's coordinator",
+            ", ".join(unknown),
+            ", ".join(spec.__name__ for spec in SPEC_KINDS),
+        )
+        return {}
+    kinds = {i: SPEC_KINDS[spec] for i, spec in enumerate(specs)}
+    return kinds if len(set(kinds.values())) > 1 else {}
+
+
 def attach_policy(
     manager: KVPlugKVCacheManager, policy: EvictionPolicy, kv_cache_config: Any
 ) -> PoolStats:
     """Give the manager's pool `policy`; returns the statistics the pool counts into."""
     stats = PoolStats()
-    manager.block_pool.use_policy(policy, stats, tree_groups(kv_cache_config))
+    manager.block_pool.use_policy(
+        policy, stats, tree_groups(kv_cache_config), group_kinds(kv_cache_config)
+    )
     return stats
 
 
