@@ -173,16 +173,35 @@ def test_mamba_checkpoints_at_prompt_end_and_branch_point():
     cache.check_invariants()
 
 
-def test_sliding_window_kv_is_kept_only_before_junctions():
+def test_sliding_window_kv_is_anchored_before_junctions_and_speculative_elsewhere():
     cache = _cache(GEMMA, 300)
     a = list(range(10))
     cache.admit(1, a, 10, cacheable=10)
     cache.grow(1, [1000, 1001, 1002])  # decode past the prompt
     cache.finish(1)
-    window = sorted(node.depth for node in cache.nodes() if node.window_kv)
-    assert window == [9, 10]  # the window before the prompt's end, nothing else
     assert max(node.depth for node in cache.nodes()) == 10  # the decode tail no junction needs
-    assert cache.admit(2, a + [50], 11, cacheable=11) == 10
+    anchored = sorted(n.depth for n in cache.nodes() if n.window_kv and not n.speculative)
+    speculative = sorted(n.depth for n in cache.nodes() if n.speculative)
+    assert anchored == [9, 10]  # the window before the prompt's end
+    assert speculative == list(range(1, 9))  # computed, kept while room allows
+    # a request leaving A's path at 6 is served there by the speculative window ...
+    assert cache.admit(2, [*a[:6], 50, 51], 8, cacheable=8) == 6
+    cache.finish(2)
+    # ... and 6 is now a junction: its window is anchored
+    assert {n.depth for n in cache.nodes() if n.record is not None} == {6, 8, 10}
+    assert not any(n.speculative for n in cache.nodes() if n.depth in (5, 6) and n.unit < 50)
+    cache.check_invariants()
+
+
+def test_speculative_windows_go_before_junctions_under_lru():
+    cache = _cache(GEMMA, 70)
+    a = list(range(10))
+    cache.admit(1, a, 10, cacheable=10)
+    cache.finish(1)  # 10 KV + 10 windows of 5 pages: 60 of 70 pages
+    assert cache.admit(2, [500, 501], 2, cacheable=2) == 0  # needs 12 pages: 2 go
+    cache.finish(2)
+    assert cache.metrics.windows_evicted >= 1 and cache.metrics.retired == 0
+    assert cache.hits(a, 10).junction == 10  # A's junction is whole
     cache.check_invariants()
 
 

@@ -169,6 +169,7 @@ KVPLUG_SAMPLES = (
     "kvplug_block_hits_total",
     "kvplug_evictions_total",
     "kvplug_churn_total",
+    "kvplug_retired_total",
     "kvplug_cached_blocks",
     "kvplug_bytes_held",
     "kvplug_deferred_blocks",

@@ -1,9 +1,8 @@
 """kvplug's hybrid cache: every state group in one byte budget, one decision across them.
 
 The reference for hybrid models, as `kvplug.core.cache.KVCache` is for full attention:
-the replay runs it beside the engines' own hybrid caches, and the adapters are checked
-against its rules. A prefix tree of units (one unit = `block_tokens` tokens); each node
-may hold, for the unit ending at its depth,
+the replay runs it beside the engines' own hybrid caches. A prefix tree of units (one
+unit = `block_tokens` tokens); each node may hold, for the unit ending at its depth,
 
 - ``kv``: the full-attention groups' KV (a node exists only while it holds it);
 - ``window_kv``: the sliding-window groups' KV;
@@ -12,24 +11,30 @@ may hold, for the unit ending at its depth,
 All groups of one kind are decided together: they serve the same positions and differ
 only in which layers they page.
 
-**What is kept.** A hit is the junction (`kvplug.hybrid.junction`), so state that no
-junction can use is worth nothing. A request's sliding-window KV and Mamba checkpoints
-are admitted only around the positions where later requests resume: the end of its
-prompt's full units and the branch point where it left the cached tree (Marconi's
-rule). Window KV that slides out elsewhere is freed at once; so is a tail of nodes that
-no junction below needs.
+**Junctions.** A hit is the junction (`kvplug.hybrid.junction`). kvplug keeps junctions
+at *anchors*: the end of each prompt's full units, the branch point where a request left
+the cached tree (Marconi's rule), and any position a lookup was served at. A Mamba
+checkpoint is taken at anchors only. A junction record ties what its anchor needs: the
+full-attention path above it, the window of sliding-window KV before it, its checkpoint.
 
-**What goes first.** Eviction removes whole junctions: the candidate is a junction node
-(held by no request) whose removal frees bytes, and removing it frees its checkpoint,
-the window KV no other junction needs, and, at a leaf, the full-attention path up to the
-next junction or branch. One kvplug policy ranks the junctions (`lru`: by release;
-`cost`: GreedyDual with the FLOPs the junction saves beyond the junction above it, per
-byte its removal frees, learned reuse odds and decay).
+**Speculative windows.** Sliding-window KV that a request computed and no junction needs
+is kept too, as *speculative* state, evictable at once and ranked on its own, as an
+engine keeps freed sliding-window blocks: if a later request diverges there, the window
+is already present, the position is served, and becomes an anchor.
 
-Invariants (`check_invariants`): a node's parent holds KV (prefixes stay whole); the
-used bytes are the sum of what nodes and running requests hold; a request's nodes are
-held and never evicted; every candidate is an unheld junction; the policy's candidate
-set is exactly the junction records marked as candidates.
+**What goes first.** One kvplug policy ranks both kinds of record (`lru`: by release;
+`cost`: GreedyDual with the FLOPs the record saves beyond the junction above it, per byte
+its removal frees, learned reuse odds and decay). Removing a junction frees its
+checkpoint, the window KV no other junction needs, and, at a leaf, the full-attention path
+up to the next junction or branch; removing a speculative window frees that window.
+State no junction can use is freed at once: a tail of nodes below the last junction.
+
+Invariants (`check_invariants`): a node's parent holds KV (prefixes stay whole); the used,
+pinned and per-kind bytes are the sums over nodes and running requests; a request's nodes
+are held, their KV and checkpoints never evicted, nor the window it computes with; a
+junction record exists exactly at anchors where every group is served, a speculative
+record exactly on window KV no record and no running request needs; every junction
+candidate is unheld; the policy's candidates are exactly the records marked so.
 """
 
 from __future__ import annotations
@@ -47,28 +52,34 @@ from kvplug.policies.cost import CostPolicy, ReuseClass
 from kvplug.policies.node import CachedNode
 
 HYBRID_POLICIES = ("lru", "cost")
+MARGINAL_REACH = 64  # units a record's worth looks up for the junction above it
 
 
 class JunctionCostPolicy(CostPolicy):
-    """`cost` over junctions: GreedyDual with the junction's own worth (FLOPs it saves
+    """`cost` over hybrid records: GreedyDual with the record's own worth (FLOPs it saves
     per byte its removal frees) in place of a block's value by depth.
 
-    A junction's reuse class always includes its `from_end`, the junctions of the
-    releasing request's path below it (0: the deepest): a conversation's earlier turns
-    end in junctions that its later turns pass, reused once and then rarely again, and
-    the class tells them from the turn that is still open.
+    A record's reuse class always includes its `from_end`, the junctions of the releasing
+    request's path below it (0: the deepest): a conversation's earlier turns end in
+    junctions its later turns pass, reused once and then rarely again; and whether it is a
+    speculative window.
     """
 
     def classify(self, node: CachedNode) -> ReuseClass:
         output = min(node.request_output.bit_length(), 12)
-        return (min(self.reuses(node), 3), min(node.from_end, 3), int(node.request_hit), output)
+        return (
+            min(self.reuses(node), 3),
+            min(node.from_end, 3),
+            int(node.request_hit),
+            int(node.speculative),  # type: ignore[attr-defined]
+            output,
+        )
 
     def credit(self, node: CachedNode) -> float:
         serial = node.serial
-        reuses = min(self.reuses(node), 3)
-        output = min(node.request_output.bit_length(), 12)
-        code = ((reuses << 2 | min(node.from_end, 3)) << 1 | bool(node.request_hit)) << 4
-        code |= output
+        code = (min(self.reuses(node), 3) << 2 | min(node.from_end, 3)) << 1
+        code = (code | bool(node.request_hit)) << 1 | node.speculative  # type: ignore[attr-defined]
+        code = code << 4 | min(node.request_output.bit_length(), 12)  # below 1024
         self._trial[serial] = code
         probability = self._probability.get(code)
         if probability is None:
@@ -77,7 +88,7 @@ class JunctionCostPolicy(CostPolicy):
             probability = self._probability[code] = self.reuse_probability(self._classes[code])
         return (1 + min(node.hits, 3)) * probability
 
-    def rank(self, node: JunctionRecord) -> float:  # type: ignore[override]
+    def rank(self, node: HybridRecord) -> float:  # type: ignore[override]
         return self.inflation + self.credit(node) * node.worth
 
 
@@ -93,8 +104,8 @@ def make_hybrid_policy(name: str, block_tokens: int) -> EvictionPolicy:
 
 class HybridNode:
     __slots__ = (
-        "unit", "parent", "children", "depth", "key", "window_kv", "checkpoint", "holders",
-        "record",
+        "unit", "parent", "children", "depth", "key", "window_kv", "speculative",
+        "checkpoint", "anchor", "holders", "live", "record", "window_record",
     )  # fmt: skip
 
     kv = True  # a node exists only while it holds full-attention KV
@@ -106,19 +117,25 @@ class HybridNode:
         self.depth = depth
         self.key = key
         self.window_kv = False
+        self.speculative = False  # its window KV is kept on speculation
         self.checkpoint = False
-        self.holders = 0
-        self.record: JunctionRecord | None = None
+        self.anchor = False  # a junction is kept here when every group is served
+        self.holders = 0  # running requests whose path holds it
+        self.live = 0  # running requests computing with its window KV
+        self.record: HybridRecord | None = None  # its junction
+        self.window_record: HybridRecord | None = None  # its speculative window
 
 
 @dataclass(eq=False, slots=True)
-class JunctionRecord:
-    """A junction as the policy sees it (the `CachedNode` contract), plus its worth."""
+class HybridRecord:
+    """A junction or a speculative window as the policy sees it (the `CachedNode`
+    contract), plus its worth."""
 
     serial: int
     key: int
     depth: int
     node: HybridNode
+    speculative: bool  # a speculative window, not a junction
     hits: int = 0
     from_end: int = 0
     request_hit: bool = False
@@ -130,7 +147,6 @@ class JunctionRecord:
 @dataclass
 class RunningRequest:
     path: list[HybridNode]
-    anchors: set[int]  # depths whose window KV and checkpoint are kept: branch point, prompt end
     hit: bool
     live_bytes: int  # the Mamba state it runs with
     output_units: int = 0
@@ -142,6 +158,7 @@ class HybridMetrics:
     junction_units: int = 0
     kind_units: dict[GroupKind, int] = field(default_factory=dict)
     retired: int = 0  # junctions evicted
+    windows_evicted: int = 0  # speculative windows evicted
     freed_bytes: int = 0
 
 
@@ -165,13 +182,15 @@ class HybridCache:
         self.kv_bytes = spec.kind_unit_bytes(GroupKind.FULL, block_tokens)
         self.window_bytes = spec.kind_unit_bytes(GroupKind.SLIDING_WINDOW, block_tokens)
         self.checkpoint_bytes = spec.kind_unit_bytes(GroupKind.MAMBA, block_tokens)
+        self.mamba = GroupKind.MAMBA in kinds
+        self.every_node_anchors = kinds == {GroupKind.FULL}  # any position is served
         self.policy = make_hybrid_policy(policy, block_tokens)
         self.policy.bind(1, max(1, capacity_bytes // spec.page_bytes(block_tokens)))
         self.root = HybridNode(-1, None, 0, 0)
         self.used = 0
+        self.pinned = 0  # bytes no eviction may free: held state and live Mamba states
+        self.cached_by_kind = {kind: 0 for kind in self.kinds}  # reusable, evictable bytes
         self.node_count = 0
-        self.pinned = 0  # bytes no eviction may free: held nodes and live states
-        self.cached_by_kind = {kind: 0 for kind in self.kinds}  # bytes held by no request
         self.requests: dict[int, RunningRequest] = {}
         self.metrics = HybridMetrics()
         self._serials = count()
@@ -211,23 +230,33 @@ class HybridCache:
         branch = len(matched)
         if junction < branch < length and matched[-1].children:
             anchors.add(branch)  # the tree branches here: later requests resume at it
-        window = self._kept_window(junction, length, anchors)
-        new_nodes = length - len(held)
-        needed = new_nodes * self.kv_bytes
-        needed += sum(1 for d in window if d > len(held) or not held[d - 1].window_kv) * (
-            self.window_bytes
-        )
-        needed += sum(1 for d in anchors if d > len(held) or not held[d - 1].checkpoint) * (
-            self.checkpoint_bytes
-        )
+        computed = range(junction + 1, length + 1)  # units this request computes
+        needed = (length - len(held)) * self.kv_bytes
+        if self.window_bytes:  # a speculative window may be evicted before it is rewritten
+            missing = sum(
+                1
+                for d in computed
+                if d > len(held) or not held[d - 1].window_kv or held[d - 1].speculative
+            )
+            needed += missing * self.window_bytes
+        if self.mamba:
+            missing = sum(1 for d in anchors if d > len(held) or not held[d - 1].checkpoint)
+            needed += missing * self.checkpoint_bytes
         live = self.checkpoint_bytes
-        freeable_held = sum(self._node_bytes(node) for node in held if not node.holders)
+        freeable_held = sum(self._held_bytes(node) for node in held if not node.holders)
+        if junction:  # the served junction's speculative windows stop being evictable
+            served = matched[junction - 1]
+            speculative = sum(step.speculative for step in self._window_nodes(served))
+            freeable_held += speculative * self.window_bytes
         if needed + live + freeable_held > self.capacity - self.pinned:
             return None
         for node in held:
             self._hold(node)
         self.pinned += live
         self.used += live
+        self._count_hit(matched, hits)
+        if junction:
+            self._refresh(matched[junction - 1])
         self._make_room(needed)
         path = held
         parent = held[-1] if held else self.root
@@ -235,22 +264,16 @@ class HybridCache:
             parent = self._add_node(parent, unit)
             self._hold(parent)
             path.append(parent)
-        for depth in window:
+        for node in path[-self.window :] if self.window_bytes and self.window else ():
+            node.live += 1
+        for depth in computed:
             self._set_window(path[depth - 1], True)
-        if GroupKind.MAMBA in self.kinds:
-            for depth in anchors:
-                self._set_checkpoint(path[depth - 1], True)
-        self.metrics.lookups += 1
-        self.metrics.junction_units += junction
-        for kind, units in hits.by_kind.items():
-            self.metrics.kind_units[kind] = self.metrics.kind_units.get(kind, 0) + units
-        if junction:
-            record = matched[junction - 1].record
-            if record is not None:
-                record.hits += 1
-                self.policy.hit(record)
-        self.requests[req_id] = RunningRequest(path, anchors, junction > 0, live, output_units)
-        self._refresh_around(path[max(junction, 1) - 1 :] if path else [])
+        for depth in anchors:
+            self._set_checkpoint(path[depth - 1], True)
+            path[depth - 1].anchor = True
+        self.requests[req_id] = RunningRequest(path, junction > 0, live, output_units)
+        start = max(min(junction, *anchors) if anchors else junction, 1)
+        self._refresh_around(path[start - 1 :])
         return junction
 
     def can_grow(self, req_id: int, units: int) -> bool:
@@ -265,17 +288,20 @@ class HybridCache:
             return False
         request = self.requests[req_id]
         self._make_room(len(units) * (self.kv_bytes + self.window_bytes))
-        parent = request.path[-1] if request.path else self.root
+        path = request.path
         changed = []
         for unit in units:
-            parent = self._add_node(parent, unit)
-            self._hold(parent)
-            request.path.append(parent)
-            self._set_window(parent, True)
-            changed.append(parent)
-            slid = self._slide_window(request)
-            if slid is not None:
-                changed.append(slid)
+            node = self._add_node(path[-1] if path else self.root, unit)
+            self._hold(node)
+            path.append(node)
+            if self.window_bytes and self.window:
+                node.live += 1
+                self._set_window(node, True)
+                if len(path) > self.window:  # the unit that left the window it computes with
+                    out = path[-self.window - 1]
+                    out.live -= 1
+                    changed.append(out)
+            changed.append(node)
         self._refresh_around(changed)
         return True
 
@@ -285,121 +311,118 @@ class HybridCache:
         self.pinned -= request.live_bytes
         self.used -= request.live_bytes
         path = request.path
-        keep = self._kept_window(0, len(path), request.anchors, running=False)
-        for node in path[-self.window :] if self.window else ():
-            if node.window_kv and node.depth not in keep:
-                self._set_window(node, False)
+        for node in path[-self.window :] if self.window_bytes and self.window else ():
+            node.live -= 1
         for node in path:
             self._release(node)
-        if path:
-            self._prune(path[-1])
         below = 0  # junctions of this path below the node
         for node in reversed(path):
-            record = node.record
-            if record is not None and node.parent is not None:
-                record.from_end = below
-                record.request_hit = request.hit
-                record.request_output = request.output_units
-                below += 1
+            for record in (node.record, node.window_record):
+                if record is not None:
+                    record.from_end = below
+                    record.request_hit = request.hit
+                    record.request_output = request.output_units
+            below += node.record is not None
         self._refresh_around(path)
+
+    def _count_hit(self, matched: list[HybridNode], hits: Hits) -> None:
+        junction = hits.junction
+        self.metrics.lookups += 1
+        self.metrics.junction_units += junction
+        for kind, units in hits.by_kind.items():
+            self.metrics.kind_units[kind] = self.metrics.kind_units.get(kind, 0) + units
+        if not junction:
+            return
+        served = matched[junction - 1]
+        for step in self._window_nodes(served):  # speculative windows that paid off
+            if step.window_record is not None:
+                step.window_record.hits += 1
+                self.policy.hit(step.window_record)
+        if served.record is not None:
+            served.record.hits += 1
+            self.policy.hit(served.record)
+        served.anchor = True  # served here: keep a junction here
 
     # ------------------------------------------------------------------ state changes
 
-    def _kept_window(
-        self, start: int, length: int, anchors: set[int], running: bool = True
-    ) -> set[int]:
-        """Depths (after `start`) whose window KV the request keeps: the window before
-        each anchor, and, while running, the window it computes with."""
-        if not self.window_bytes:
-            return set()
-        ends = set(anchors) | ({length} if running else set())
-        return {
-            depth for end in ends for depth in range(max(start + 1, end - self.window + 1), end + 1)
-        }
+    def _account(self, node: HybridNode, sign: int) -> None:
+        """Add (`sign` 1) or take away (-1) what `node` holds from the byte totals."""
+        window = self.window_bytes if node.window_kv else 0
+        checkpoint = self.checkpoint_bytes if node.checkpoint else 0
+        self.used += sign * (self.kv_bytes + window + checkpoint)
+        cached = self.cached_by_kind
+        if node.holders:
+            self.pinned += sign * (self.kv_bytes + checkpoint + (0 if node.speculative else window))
+            if window and node.speculative:
+                cached[GroupKind.SLIDING_WINDOW] += sign * window
+            return
+        cached[GroupKind.FULL] += sign * self.kv_bytes
+        if window:
+            cached[GroupKind.SLIDING_WINDOW] += sign * window
+        if checkpoint:
+            cached[GroupKind.MAMBA] += sign * checkpoint
 
-    def _slide_window(self, request: RunningRequest) -> HybridNode | None:
-        """Free the window KV of the unit that just left the running window, unless it is
-        in the window before an anchor; return the node if it changed."""
-        if not self.window_bytes:
-            return None
-        path = request.path
-        out = len(path) - self.window  # depth that just left the running window
-        if out >= 1 and path[out - 1].window_kv:
-            near_anchor = any(0 <= anchor - out < self.window for anchor in request.anchors)
-            if not near_anchor:
-                self._set_window(path[out - 1], False)
-                return path[out - 1]
-        return None
+    def _held_bytes(self, node: HybridNode) -> int:
+        """What holding the unheld `node` pins."""
+        window = self.window_bytes if node.window_kv and not node.speculative else 0
+        return self.kv_bytes + window + (self.checkpoint_bytes if node.checkpoint else 0)
 
     def _add_node(self, parent: HybridNode, unit: int) -> HybridNode:
         node = HybridNode(unit, parent, parent.depth + 1, hash((parent.key, unit)))
+        node.anchor = self.every_node_anchors
         parent.children[unit] = node
-        self.used += self.kv_bytes
-        self.cached_by_kind[GroupKind.FULL] += self.kv_bytes
         self.node_count += 1
+        self._account(node, 1)
         return node
 
-    def _node_bytes(self, node: HybridNode) -> int:
-        return (
-            self.kv_bytes
-            + node.window_kv * self.window_bytes
-            + node.checkpoint * self.checkpoint_bytes
+    def _remove_node(self, node: HybridNode) -> None:
+        self._drop_record(node)
+        self._drop_window_record(node)
+        self._account(node, -1)
+        self.metrics.freed_bytes += self._held_bytes(node) + (
+            self.window_bytes if node.speculative else 0
         )
-
-    def _count_cached(self, node: HybridNode, sign: int) -> None:
-        cached = self.cached_by_kind
-        cached[GroupKind.FULL] += sign * self.kv_bytes
-        if node.window_kv:
-            cached[GroupKind.SLIDING_WINDOW] += sign * self.window_bytes
-        if node.checkpoint:
-            cached[GroupKind.MAMBA] += sign * self.checkpoint_bytes
+        del node.parent.children[node.unit]
+        self.node_count -= 1
 
     def _hold(self, node: HybridNode) -> None:
         if not node.holders:
-            self.pinned += self._node_bytes(node)
-            self._count_cached(node, -1)
             record = node.record
             if record is not None and record.candidate:
                 record.candidate = False
                 self.policy.discard_candidate(record)
-        node.holders += 1
+            self._account(node, -1)
+            node.holders = 1
+            self._account(node, 1)
+        else:
+            node.holders += 1
 
     def _release(self, node: HybridNode) -> None:
-        node.holders -= 1
-        if not node.holders:
-            self.pinned -= self._node_bytes(node)
-            self._count_cached(node, 1)
+        if node.holders == 1:
+            self._account(node, -1)
+            node.holders = 0
+            self._account(node, 1)
+        else:
+            node.holders -= 1
 
     def _set_window(self, node: HybridNode, value: bool) -> None:
         if node.window_kv != value and self.window_bytes:
-            delta = self.window_bytes if value else -self.window_bytes
-            self._resize(node, delta, GroupKind.SLIDING_WINDOW)
+            self._account(node, -1)
+            if not value:
+                self.metrics.freed_bytes += self.window_bytes
+                node.speculative = False
             node.window_kv = value
+            self._account(node, 1)
+            if not value:
+                self._drop_window_record(node)
 
     def _set_checkpoint(self, node: HybridNode, value: bool) -> None:
-        if node.checkpoint != value:
-            delta = self.checkpoint_bytes if value else -self.checkpoint_bytes
-            self._resize(node, delta, GroupKind.MAMBA)
+        if node.checkpoint != value and self.mamba:
+            self._account(node, -1)
+            if not value:
+                self.metrics.freed_bytes += self.checkpoint_bytes
             node.checkpoint = value
-
-    def _resize(self, node: HybridNode, delta: int, kind: GroupKind) -> None:
-        self.used += delta
-        if node.holders:
-            self.pinned += delta
-        else:
-            self.cached_by_kind[kind] += delta
-        if delta < 0:
-            self.metrics.freed_bytes -= delta
-
-    def _remove_node(self, node: HybridNode) -> None:
-        self._set_window(node, False)
-        self._set_checkpoint(node, False)
-        self._drop_record(node)
-        del node.parent.children[node.unit]
-        self.used -= self.kv_bytes
-        self.node_count -= 1
-        self.cached_by_kind[GroupKind.FULL] -= self.kv_bytes
-        self.metrics.freed_bytes += self.kv_bytes
+            self._account(node, 1)
 
     def _prune(self, node: HybridNode | None) -> HybridNode | None:
         """Remove the unheld leaf tail ending at `node` that no junction needs; return the
@@ -409,6 +432,7 @@ class HybridCache:
             and node.parent is not None
             and not node.children
             and not node.holders
+            and node.record is None
             and not self._is_junction(node)
         ):
             parent = node.parent
@@ -416,18 +440,30 @@ class HybridCache:
             node = parent
         return node
 
-    # ------------------------------------------------------------------ junctions
+    # ------------------------------------------------------------------ records
 
     def _is_junction(self, node: HybridNode) -> bool:
-        if GroupKind.MAMBA in self.kinds and not node.checkpoint:
+        """An anchor where every group is served."""
+        if not node.anchor or (self.mamba and not node.checkpoint):
             return False
-        if self.window_bytes:
-            needed, step = min(self.window, node.depth), node
-            for _ in range(needed):
-                if not step.window_kv:
-                    return False
-                step = step.parent
-        return True
+        return all(step.window_kv for step in self._window_nodes(node))
+
+    def _window_nodes(self, node: HybridNode) -> Iterator[HybridNode]:
+        """The nodes whose window KV a junction at `node` needs, `node` first."""
+        if not self.window_bytes:
+            return
+        step = node
+        for _ in range(min(self.window, node.depth)):
+            yield step
+            step = step.parent
+
+    def _alive(self, node: HybridNode) -> bool:
+        return node.parent is not None and node.parent.children.get(node.unit) is node
+
+    def _new_record(self, node: HybridNode, speculative: bool) -> HybridRecord:
+        record = HybridRecord(next(self._serials), node.key, node.depth, node, speculative)
+        self.policy.insert(record)
+        return record
 
     def _drop_record(self, node: HybridNode) -> None:
         record = node.record
@@ -438,15 +474,34 @@ class HybridCache:
         self.policy.remove(record)
         node.record = None
 
+    def _drop_window_record(self, node: HybridNode) -> None:
+        record = node.window_record
+        if record is None:
+            return
+        if record.candidate:
+            self.policy.discard_candidate(record)
+        self.policy.remove(record)
+        node.window_record = None
+
     def _refresh_around(self, nodes: list[HybridNode]) -> None:
-        """Re-decide the junction record of each of `nodes` and of the nodes whose window
-        reaches them, deepest first."""
+        """Re-decide the records of each of `nodes` and of the nodes whose window reaches
+        them, deepest first, then prune the tails no junction needs."""
         seen: set[int] = set()
+        order = []
         for node in reversed(nodes):
             for near in self._window_neighbourhood(node):
                 if id(near) not in seen:
                     seen.add(id(near))
-                    self._refresh(near)
+                    order.append(near)
+        for near in order:
+            self._refresh(near)
+        for near in order:
+            self._refresh_window(near)
+        for near in order:
+            if self._alive(near) and not near.children:
+                stop = self._prune(near)
+                if stop is not near and stop is not None and stop.parent is not None:
+                    self._refresh(stop)
 
     def _window_neighbourhood(self, node: HybridNode) -> Iterator[HybridNode]:
         yield node
@@ -457,17 +512,20 @@ class HybridCache:
                 frontier = [child for n in frontier for child in n.children.values()]
 
     def _refresh(self, node: HybridNode) -> None:
-        if node.parent is None or node.parent.children.get(node.unit) is not node:
-            return  # the root, or removed already
+        """Make `node`'s junction record match its state, and rank it if it is a candidate."""
+        if not self._alive(node):
+            return
         if not self._is_junction(node):
-            self._drop_record(node)
-            if not node.children and not node.holders:
-                self._prune(node)
+            if node.record is not None:
+                self._drop_record(node)
+                for step in self._window_nodes(node):
+                    self._refresh_window(step)
             return
         record = node.record
         if record is None:
-            record = node.record = JunctionRecord(next(self._serials), node.key, node.depth, node)
-            self.policy.insert(record)
+            record = node.record = self._new_record(node, speculative=False)
+            for step in self._window_nodes(node):
+                self._refresh_window(step)
         if record.candidate:
             record.candidate = False
             self.policy.discard_candidate(record)
@@ -481,27 +539,53 @@ class HybridCache:
         self.policy.add_candidate(record)
         record.candidate = True
 
+    def _refresh_window(self, node: HybridNode) -> None:
+        """Make `node`'s window KV speculative exactly when no junction and no running
+        request needs it, with a ranked record while it is."""
+        if not self._alive(node) or not node.window_kv:
+            return
+        speculative = not node.live and not self._window_needed(node, None)
+        if speculative != node.speculative:
+            self._account(node, -1)
+            node.speculative = speculative
+            self._account(node, 1)
+        if not speculative:
+            self._drop_window_record(node)
+            return
+        if node.window_record is None:
+            record = node.window_record = self._new_record(node, speculative=True)
+            # a speculative window serves a request leaving the path here rather than one
+            # unit earlier, where the window before it is likely present too: it saves its
+            # own unit's prefill
+            bt = self.block_tokens
+            unit = self.spec.prefill_flops((node.depth - 1) * bt, node.depth * bt)
+            worth = unit / self.window_bytes
+            record.worth = worth * self._worth_scale
+            self.policy.release(record)
+            self.policy.add_candidate(record)
+            record.candidate = True
+
     def _marginal_flops(self, node: HybridNode) -> float:
-        """What the junction saves beyond the nearest junction above it."""
-        above = node.parent
-        while above.parent is not None and above.record is None:
-            above = above.parent
-        start = above.depth
+        """What a junction at `node` saves beyond the nearest junction above it (looking
+        at most `MARGINAL_REACH` units up, to keep each call O(1))."""
+        above, reach = node.parent, MARGINAL_REACH
+        while above.parent is not None and above.record is None and reach:
+            above, reach = above.parent, reach - 1
         bt = self.block_tokens
-        return self.spec.prefill_flops(start * bt, node.depth * bt)
+        return self.spec.prefill_flops(above.depth * bt, node.depth * bt)
 
     def _exclusive_windows(self, node: HybridNode) -> list[HybridNode]:
-        """Window KV of the junction at `node` that no other junction needs."""
-        if not self.window_bytes:
-            return []
-        exclusive, step = [], node
-        for _ in range(min(self.window, node.depth)):
-            if step.window_kv and not step.holders and not self._window_needed(step, node):
-                exclusive.append(step)
-            step = step.parent
-        return exclusive
+        """Window KV of the junction at `node` that nothing else needs."""
+        return [
+            step
+            for step in self._window_nodes(node)
+            if step.window_kv
+            and not step.holders
+            and not step.live
+            and not self._window_needed(step, node)
+        ]
 
-    def _window_needed(self, step: HybridNode, besides: HybridNode) -> bool:
+    def _window_needed(self, step: HybridNode, besides: HybridNode | None) -> bool:
         """Whether a junction other than `besides` needs `step`'s window KV."""
         frontier = [step]
         for _ in range(self.window):
@@ -527,29 +611,31 @@ class HybridCache:
             step = parent
         return freed
 
-    def _retire(self, record: JunctionRecord) -> None:
+    def _retire(self, record: HybridRecord) -> None:
         node = record.node
+        if record.speculative:
+            self.metrics.windows_evicted += 1
+            self._set_window(node, False)
+            self._refresh_around([node])
+            return
         self.metrics.retired += 1
         for step in self._exclusive_windows(node):
             self._set_window(step, False)
         self._set_checkpoint(node, False)
+        node.anchor = self.every_node_anchors and bool(node.children)
         self._drop_record(node)
-        touched = []
+        touched = [node]
         if not node.children and not node.holders:
             parent = node.parent
             self._remove_node(node)  # a leaf junction: its path goes with it
-            touched.append(self._prune(parent))
-        else:
-            touched.append(node)
+            touched = [parent] if parent.parent is not None else []
         ancestor = node.parent
         for _ in range(self.window):
             if ancestor is None or ancestor.parent is None:
                 break
             touched.append(ancestor)
             ancestor = ancestor.parent
-        for near in touched:
-            if near is not None:
-                self._refresh(near)
+        self._refresh_around(touched)
 
     def _make_room(self, needed: int) -> None:
         policy = self.policy
@@ -557,7 +643,7 @@ class HybridCache:
             victim = policy.first_candidate()
             if victim is None:
                 raise RuntimeError(
-                    f"no evictable junction, {self.capacity - self.used} bytes free, "
+                    f"nothing evictable, {self.capacity - self.used} bytes free, "
                     f"{needed} needed; admission should have refused"
                 )
             self._retire(victim)
@@ -571,42 +657,48 @@ class HybridCache:
             yield node
             stack.extend(node.children.values())
 
-    def bytes_by_kind(self) -> dict[GroupKind, int]:
-        """Bytes of cached state held by no request, by kind."""
-        held = {kind: 0 for kind in self.kinds}
-        for node in self.nodes():
-            if node.holders:
-                continue
-            held[GroupKind.FULL] += self.kv_bytes
-            if node.window_kv:
-                held[GroupKind.SLIDING_WINDOW] += self.window_bytes
-            if node.checkpoint:
-                held[GroupKind.MAMBA] += self.checkpoint_bytes
-        return held
-
     def check_invariants(self) -> None:
-        used = sum(r.live_bytes for r in self.requests.values())
-        pinned = used
+        used = pinned = sum(r.live_bytes for r in self.requests.values())
+        cached = {kind: 0 for kind in self.kinds}
         holders: dict[int, int] = {}
+        live: dict[int, int] = {}
         for request in self.requests.values():
             for node in request.path:
                 holders[id(node)] = holders.get(id(node), 0) + 1
+            for node in request.path[-self.window :] if self.window_bytes and self.window else ():
+                live[id(node)] = live.get(id(node), 0) + 1
         candidates = 0
         for node in self.nodes():
-            size = self._node_bytes(node)
-            used += size
             assert node.parent.children.get(node.unit) is node, "tree link broken"
             assert node.holders == holders.get(id(node), 0), "holder count off"
+            assert node.live == live.get(id(node), 0), "live window count off"
+            window = self.window_bytes if node.window_kv else 0
+            checkpoint = self.checkpoint_bytes if node.checkpoint else 0
+            used += self.kv_bytes + window + checkpoint
             if node.holders:
-                pinned += size
+                pinned += self.kv_bytes + checkpoint + (0 if node.speculative else window)
+            else:
+                cached[GroupKind.FULL] += self.kv_bytes
+                if checkpoint:
+                    cached[GroupKind.MAMBA] += checkpoint
+            if window and (node.speculative or not node.holders):
+                cached[GroupKind.SLIDING_WINDOW] += window
             record = node.record
             assert (record is not None) == self._is_junction(node), "junction record stale"
             if record is not None and record.candidate:
                 candidates += 1
                 assert not node.holders, "a held junction is a candidate"
+            speculative = node.window_kv and not node.live and not self._window_needed(node, None)
+            assert node.speculative == speculative, "speculative window state stale"
+            assert (node.window_record is not None) == speculative, "window record stale"
+            if node.window_record is not None:
+                assert node.window_record.candidate
+                candidates += 1
+            if not node.children and not node.holders:
+                assert node.record is not None, "a leaf no junction needs was kept"
         assert used == self.used, f"used bytes {self.used} != {used}"
-        assert self.bytes_by_kind() == self.cached_by_kind, "bytes by kind off"
         assert pinned == self.pinned, f"pinned bytes {self.pinned} != {pinned}"
+        assert cached == self.cached_by_kind, "bytes by kind off"
         assert self.used <= self.capacity, "over capacity"
         assert candidates == len(self.policy), "policy candidates differ from records"
 
