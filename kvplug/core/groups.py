@@ -4,8 +4,8 @@ A hybrid model keeps more than one kind of state per token: full attention keeps
 token's K and V, sliding window only the last `window` tokens, a Mamba/SSM layer one
 fixed-size state per sequence. Each kind is a *group* with its own spec. Groups share one
 `BlockPool` of equal-sized pages, as vLLM's hybrid allocator does, so a group's page size
-in bytes must equal the pool's. This issue serves the full-attention group; the hybrid
-coordinator builds on these specs.
+in bytes must equal the pool's. `KVCache` serves one group; hybrid models (several kinds
+at once, in bytes and FLOPs) are `kvplug.hybrid`'s.
 """
 
 from __future__ import annotations

@@ -159,19 +159,26 @@ def load_model(source: str | Path | None) -> ModelSpec:
         return PRESETS[DEFAULT_MODEL]
     if str(source) in PRESETS:
         return PRESETS[str(source)]
+    data, name = read_config_json(source, "model", list(PRESETS))
+    return ModelSpec.from_hf_config(data, name=name)
+
+
+def read_config_json(source: str | Path, what: str, presets: list[str]) -> tuple[dict, str]:
+    """A Hugging Face ``config.json`` (`source` is the file or its directory) and the name
+    to give the model; `what` and `presets` name the alternatives in the error."""
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(
-            f"model {str(source)!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+            f"{what} {str(source)!r} is neither a preset ({', '.join(presets)}) nor a "
             "config.json file or a directory holding one"
         )
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
-    return ModelSpec.from_hf_config(data, name=path.parent.name or str(path))
+    return data, path.parent.name or str(path)
 
 
 # ---------------------------------------------------------------- the budget worksheet

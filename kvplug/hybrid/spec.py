@@ -27,13 +27,12 @@ a positive checkpoint size and no per-token bytes; an attention group has no che
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvplug.core.groups import GroupKind
-from kvplug.core.model_spec import dtype_bytes
+from kvplug.core.model_spec import dtype_bytes, read_config_json
 from kvplug.errors import ConfigError
 
 
@@ -354,19 +353,8 @@ def load_hybrid(source: str | Path) -> HybridSpec:
     """A hybrid preset name, a ``config.json`` path, or a directory holding one."""
     if str(source) in HYBRID_PRESETS:
         return HYBRID_PRESETS[str(source)]
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ConfigError(
-            f"hybrid model {str(source)!r} is neither a preset ({', '.join(HYBRID_PRESETS)}) "
-            "nor a config.json file or a directory holding one"
-        )
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
-    return hybrid_from_hf_config(data, name=path.parent.name or str(path))
+    data, name = read_config_json(source, "hybrid model", list(HYBRID_PRESETS))
+    return hybrid_from_hf_config(data, name=name)
 
 
 __all__ = [

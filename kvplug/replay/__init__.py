@@ -14,6 +14,10 @@ ratios share one denominator.
 | `vllm_stock` | the `vllm-stock` and `vllm-kvplug:<policy>` arms: vLLM's own cache manager |
 | `sglang_stock` | the `sglang-stock:<policy>` arm: SGLang's own radix cache |
 | `runner` | arms x capacities, one `ReplayRow` each, and `belady`'s oracle |
+| `hybrid` | the hybrid replay: capacity in bytes, junction and per-kind hits, `HybridRow` |
+| `vllm_hybrid` | vLLM's own hybrid coordinator (and kvplug's pool) as a hybrid arm |
+| `sglang_hybrid` | SGLang's unified radix cache with SWA / Mamba components as a hybrid arm |
+| `hybrid_cli` | the ``kvplug hybrid-replay`` command |
 | `report` | the table, JSON, CSV and the plot (absolute and relative to the stock arm) |
 | `cli` | the ``kvplug replay`` and ``kvplug ab`` commands |
 """

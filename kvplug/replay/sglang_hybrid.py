@@ -78,7 +78,7 @@ SWA or Mamba alone, so `group_hits` reports ``full_kv_hit_length`` as
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -89,6 +89,7 @@ from kvplug.replay.arms import ArmStats, CacheArm
 from kvplug.replay.sglang_stock import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     SUPPORTED_SGLANG_VERSION,
+    EventLedger,
     _check_native_hash,
     _check_sglang,
     sglang_policies,
@@ -188,11 +189,7 @@ class SGLangHybridArm(CacheArm):
             self._build(rows, policy)
         self.requests: dict[int, Req] = {}
         self.group_hits: dict[str, int] = {kind.value: 0 for kind in self.unit_bytes}
-        self._block_of: dict[tuple[int | None, int], int] = {}
-        self._edge_of: dict[int, tuple[int | None, int]] = {}
-        self._hits: dict[int, int] = {}
-        self._evictions = 0
-        self._churn = 0
+        self._events = EventLedger()
         self._last_match: Any = None
 
     # ------------------------------------------------------------------ building
@@ -350,8 +347,8 @@ class SGLangHybridArm(CacheArm):
         for kind in self.group_hits:
             if kind != GroupKind.FULL.value:
                 self.group_hits[kind] += hits
-        self._drain_events()
-        self._record_hits(prompt[:hits])
+        self._events.drain(self.cache)
+        self._events.record_hits(prompt[:hits])
         return hits
 
     def grow(self, req_id: int, units: list[int]) -> bool:
@@ -370,7 +367,7 @@ class SGLangHybridArm(CacheArm):
             req.output_ids.extend(units)
             req.kv.kv_allocated_len = req.kv.kv_committed_len = end
             self._slide_window(req)
-        self._drain_events()
+        self._events.drain(self.cache)
         return True
 
     def finish(self, req_id: int, output_tokens: int = 0) -> None:
@@ -384,12 +381,12 @@ class SGLangHybridArm(CacheArm):
             req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
             req.finished_len = len(req.output_ids)
             release_kv_cache(req, self.cache, checkpoint=True)
-        self._drain_events()
+        self._events.drain(self.cache)
 
     def stats(self) -> ArmStats:
-        self._drain_events()
+        self._events.drain(self.cache)
         cached = self.cache.evictable_size() + self.cache.protected_size()
-        return ArmStats(self._evictions, self._churn, cached)
+        return ArmStats(self._events.evictions, self._events.churn, cached)
 
     def bytes_held(self) -> int:
         """Bytes of cached, unlocked state: each component's evictable size (full and SWA
@@ -451,42 +448,6 @@ class SGLangHybridArm(CacheArm):
         does (``ScheduleBatch.maybe_evict_swa``)."""
         if self.has_swa:
             self.cache.evict_sliding_windows(req, req.kv.kv_allocated_len)
-
-    def _record_hits(self, units: Sequence[int]) -> None:
-        parent = None
-        for unit in units:
-            block = self._block_of.get((parent, unit))
-            if block is None:  # not named by the events (SGLang stores none for it)
-                return
-            self._hits[block] += 1
-            parent = block
-
-    def _drain_events(self) -> None:
-        from sglang.srt.disaggregation.kv_events import (
-            AllBlocksCleared,
-            BlockRemoved,
-            BlockStored,
-        )
-
-        for event in self.cache.take_events():
-            if isinstance(event, BlockStored):
-                parent = event.parent_block_hash
-                for unit, block in zip(event.token_ids, event.block_hashes, strict=True):
-                    self._block_of[(parent, unit)] = block
-                    self._edge_of[block] = (parent, unit)
-                    self._hits.setdefault(block, 0)
-                    parent = block
-            elif isinstance(event, BlockRemoved):
-                for block in event.block_hashes:
-                    if block not in self._hits:
-                        continue
-                    self._evictions += 1
-                    self._churn += self._hits.pop(block) == 0
-                    del self._block_of[self._edge_of.pop(block)]
-            elif isinstance(event, AllBlocksCleared):
-                self._block_of.clear()
-                self._edge_of.clear()
-                self._hits.clear()
 
 
 __all__ = ["MAMBA_FULL_MEMORY_RATIO", "SWA_FULL_TOKENS_RATIO", "SGLangHybridArm"]

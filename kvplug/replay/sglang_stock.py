@@ -168,11 +168,7 @@ class SGLangStockArm(CacheArm):
         self.requests: dict[int, Req] = {}
         # The cached units as SGLang's events name them: a unit's block hash chains its
         # parent's, so (parent block hash, unit id) identifies a unit with its prefix.
-        self._block_of: dict[tuple[int | None, int], int] = {}
-        self._edge_of: dict[int, tuple[int | None, int]] = {}
-        self._hits: dict[int, int] = {}  # block hash -> successful lookups since stored
-        self._evictions = 0
-        self._churn = 0
+        self._events = EventLedger()
 
     arm_prefix = "sglang-stock"
 
@@ -218,8 +214,8 @@ class SGLangStockArm(CacheArm):
             )
             req.kv.kv_allocated_len = req.kv.kv_committed_len = held
         self.requests[req_id] = req
-        self._drain_events()
-        self._record_hits(prompt[:hits])
+        self._events.drain(self.cache)
+        self._events.record_hits(prompt[:hits])
         return hits
 
     def grow(self, req_id: int, units: list[int]) -> bool:
@@ -237,7 +233,7 @@ class SGLangStockArm(CacheArm):
             self.req_to_token_pool.write((req.kv.req_pool_idx, slice(start, end)), slots)
             req.output_ids.extend(units)
             req.kv.kv_allocated_len = req.kv.kv_committed_len = end
-        self._drain_events()
+        self._events.drain(self.cache)
         return True
 
     def finish(self, req_id: int, output_tokens: int = 0) -> None:
@@ -250,12 +246,12 @@ class SGLangStockArm(CacheArm):
             req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
             req.finished_len = len(req.output_ids)
             release_kv_cache(req, self.cache, checkpoint=True)
-        self._drain_events()
+        self._events.drain(self.cache)
 
     def stats(self) -> ArmStats:
-        self._drain_events()
+        self._events.drain(self.cache)
         cached = self.cache.evictable_size() + self.cache.protected_size()
-        return ArmStats(self._evictions, self._churn, cached)
+        return ArmStats(self._events.evictions, self._events.churn, cached)
 
     @contextmanager
     def _sglang(self) -> Iterator[None]:
@@ -270,38 +266,55 @@ class SGLangStockArm(CacheArm):
         `evict_to_free_tokens` can evict (the locked prefix is not evictable)."""
         return units <= self.allocator.available_size() + self.cache.evictable_size()
 
-    def _record_hits(self, units: Sequence[int]) -> None:
+
+class EventLedger:
+    """Evictions, churn and hits per stored block, from the cache's KV events: a block is
+    the event's hash, named by its parent's hash and its unit. Units the events never
+    named (state SGLang stores for no block) are not counted."""
+
+    def __init__(self) -> None:
+        self.block_of: dict[tuple[int | None, int], int] = {}
+        self.edge_of: dict[int, tuple[int | None, int]] = {}
+        self.hits: dict[int, int] = {}  # block hash -> successful lookups since stored
+        self.evictions = 0
+        self.churn = 0
+
+    def record_hits(self, units: Sequence[int]) -> None:
         """Count a successful lookup of the cached prefix `units`."""
         parent = None
         for unit in units:
-            block = self._block_of[(parent, unit)]
-            self._hits[block] += 1
+            block = self.block_of.get((parent, unit))
+            if block is None:
+                return
+            self.hits[block] += 1
             parent = block
 
-    def _drain_events(self) -> None:
+    def drain(self, cache: Any) -> None:
         from sglang.srt.disaggregation.kv_events import (
             AllBlocksCleared,
             BlockRemoved,
             BlockStored,
         )
 
-        for event in self.cache.take_events():
+        for event in cache.take_events():
             if isinstance(event, BlockStored):
                 parent = event.parent_block_hash
                 for unit, block in zip(event.token_ids, event.block_hashes, strict=True):
-                    self._block_of[(parent, unit)] = block
-                    self._edge_of[block] = (parent, unit)
-                    self._hits.setdefault(block, 0)
+                    self.block_of[(parent, unit)] = block
+                    self.edge_of[block] = (parent, unit)
+                    self.hits.setdefault(block, 0)
                     parent = block
             elif isinstance(event, BlockRemoved):
                 for block in event.block_hashes:
-                    self._evictions += 1
-                    self._churn += self._hits.pop(block) == 0
-                    del self._block_of[self._edge_of.pop(block)]
+                    if block not in self.hits:
+                        continue
+                    self.evictions += 1
+                    self.churn += self.hits.pop(block) == 0
+                    del self.block_of[self.edge_of.pop(block)]
             elif isinstance(event, AllBlocksCleared):
-                self._block_of.clear()
-                self._edge_of.clear()
-                self._hits.clear()
+                self.block_of.clear()
+                self.edge_of.clear()
+                self.hits.clear()
 
 
-__all__ = ["SUPPORTED_SGLANG_VERSION", "SGLangStockArm", "sglang_policies"]
+__all__ = ["SUPPORTED_SGLANG_VERSION", "EventLedger", "SGLangStockArm", "sglang_policies"]

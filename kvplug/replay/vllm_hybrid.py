@@ -90,6 +90,7 @@ from kvplug.replay.vllm_stock import (
     HASH_ALGORITHM,
     _check_vllm,
     _drop_last_tokens,
+    build_manager,
 )
 
 if TYPE_CHECKING:
@@ -141,7 +142,6 @@ class VLLMHybridArm(CacheArm):
     ) -> None:
         _check_vllm()
         from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
@@ -163,21 +163,9 @@ class VLLMHybridArm(CacheArm):
             for i, group in enumerate(spec.groups)
         ]
         config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
-        manager_kwargs = dict(
-            kv_cache_config=config,
-            max_model_len=_MAX_MODEL_LEN,
-            scheduler_block_size=1,
-            hash_block_size=1,
-            enable_caching=True,
-            enable_kv_cache_events=True,
-        )
-        if policy is None:
-            self.manager = KVCacheManager(**manager_kwargs)
-        else:
-            from kvplug.vllm.kv_cache_manager import build_kvplug_manager
-
+        self.manager = build_manager(config, policy)
+        if policy is not None:
             self.name = f"vllm-kvplug:{policy.name}"
-            self.manager = build_kvplug_manager(policy, **manager_kwargs)
         self.kinds = [group.kind for group in spec.groups]
         self.group_hits: dict[str, int] = {kind.value: 0 for kind in dict.fromkeys(self.kinds)}
         # Blocks a later prefill chunk can take: one per attention group per token, one

@@ -50,7 +50,7 @@ nothing for full attention).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvplug.replay.arms import ArmStats, CacheArm, require_engine
 
@@ -90,7 +90,6 @@ class VLLMStockArm(CacheArm):
         import torch
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.kv_cache_interface import (
             FullAttentionSpec,
@@ -107,21 +106,9 @@ class VLLMStockArm(CacheArm):
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
         )
-        manager_kwargs = dict(
-            kv_cache_config=config,
-            max_model_len=_MAX_MODEL_LEN,
-            scheduler_block_size=1,
-            hash_block_size=1,
-            enable_caching=True,
-            enable_kv_cache_events=True,
-        )
-        if policy is None:
-            self.manager = KVCacheManager(**manager_kwargs)
-        else:
-            from kvplug.vllm.kv_cache_manager import build_kvplug_manager
-
+        self.manager = build_manager(config, policy)
+        if policy is not None:
             self.name = f"vllm-kvplug:{policy.name}"
-            self.manager = build_kvplug_manager(policy, **manager_kwargs)
         hash_fn = get_hash_fn_by_name(HASH_ALGORITHM)
         init_none_hash(hash_fn)
         self._block_hasher = get_request_block_hasher(1, hash_fn)
@@ -204,6 +191,26 @@ class VLLMStockArm(CacheArm):
                     self._churn += self._hits.pop(key, 0) == 0
 
 
+def build_manager(config: Any, policy: EvictionPolicy | None) -> Any:
+    """vLLM's `KVCacheManager` over `config`, one unit per token and per block, prefix
+    caching and KV events on; with kvplug's pool ranked by `policy` unless it is None."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    manager_kwargs = dict(
+        kv_cache_config=config,
+        max_model_len=_MAX_MODEL_LEN,
+        scheduler_block_size=1,
+        hash_block_size=1,
+        enable_caching=True,
+        enable_kv_cache_events=True,
+    )
+    if policy is None:
+        return KVCacheManager(**manager_kwargs)
+    from kvplug.vllm.kv_cache_manager import build_kvplug_manager
+
+    return build_kvplug_manager(policy, **manager_kwargs)
+
+
 def _drop_last_tokens(request: Request, count: int) -> None:
     """Take the last `count` output tokens, and their block hashes, back off `request`.
 
@@ -215,4 +222,4 @@ def _drop_last_tokens(request: Request, count: int) -> None:
     del request.block_hashes[request.num_tokens :]  # hash_block_size is 1
 
 
-__all__ = ["SUPPORTED_VLLM_VERSION", "VLLMStockArm"]
+__all__ = ["SUPPORTED_VLLM_VERSION", "VLLMStockArm", "build_manager"]

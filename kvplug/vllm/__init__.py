@@ -11,12 +11,14 @@ Options are kvplug's config keys (`kvplug.config.KVPlugConfig`), from
 Importing this package does not import vLLM; `Scheduler` does, when vLLM calls it.
 kvplug decides which block goes next (the eviction core in `kvplug.core.eviction`, the
 same one `KVCache` runs); vLLM keeps allocation, reference counts, hashing, KV events
-and its own metrics.
+and its own metrics. For a hybrid model (sliding-window and full-attention groups) the
+pool makes one decision across groups: a victim takes the other sliding-window groups'
+blocks at its position with it, since no junction can use them any more.
 
 | module | owns |
 |---|---|
 | `scheduler` | the `Scheduler` factory, kvplug's config, the namespace salt, statistics |
-| `kv_cache_manager` | the one construction site: vLLM's manager over kvplug's pool |
+| `kv_cache_manager` | the one construction site: vLLM's manager over kvplug's pool; group kinds |
 | `block_pool` | `KVPlugBlockPool` (vLLM's `BlockPool`), `CachedBlock` (the eviction core's node) |
 | `free_queue` | `PolicyFreeQueue`: vLLM's free-queue interface, fresh blocks then victims |
 | `stats` | `PoolStats`, metrics snapshots and the Prometheus collector |
