@@ -74,6 +74,17 @@ def test_groups_map_to_vllm_specs():
     assert nemotron.group_hits == {"mamba": 0, "full_attention": 0}
 
 
+def test_a_full_attention_spec_runs_on_the_unitary_coordinator():
+    from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
+
+    arm = make_arm(GEMMA.full_attention_equivalent(), 30)
+    assert isinstance(arm.manager.coordinator, UnitaryKVCacheCoordinator)
+    assert arm.admit(0, [*A, F], 10) == 0
+    arm.finish(0)
+    assert arm.admit(1, [*A[:6], 99, F + 1], 7) == 6
+    assert arm.group_hits == {"full_attention": 6}
+
+
 def test_capacity_must_hold_a_block():
     page = GEMMA.page_bytes(BLOCK_TOKENS)
     assert make_arm(GEMMA, 1).capacity_blocks == 1

@@ -274,7 +274,8 @@ class VLLMHybridArm(CacheArm):
                 block_pool=manager.block_pool,
                 kv_cache_spec=manager.kv_cache_spec,
                 drop_eagle_block=False,
-                alignment_tokens=coordinator._cache_hit_alignment_tokens,
+                # a one-group model gets vLLM's unitary coordinator, aligned to blocks
+                alignment_tokens=getattr(coordinator, "_cache_hit_alignment_tokens", 1),
             )
             hits.append(hit)
         return hits
