@@ -78,18 +78,16 @@ SWA or Mamba alone, so `group_hits` reports ``full_kv_hit_length`` as
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from kvplug.core.groups import GroupKind
 from kvplug.errors import UnknownPolicyError
-from kvplug.replay.arms import ArmStats, CacheArm
 from kvplug.replay.sglang_stock import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     SUPPORTED_SGLANG_VERSION,
     EventLedger,
+    SGLangStockArm,
     _check_native_hash,
     _check_sglang,
     sglang_policies,
@@ -119,7 +117,7 @@ def _hybrid_context() -> Any:
     return create_context(args, role="scheduler")
 
 
-class SGLangHybridArm(CacheArm):
+class SGLangHybridArm(SGLangStockArm):
     """SGLang's `UnifiedRadixCache` for the hybrid model `spec` in `capacity_bytes`
     (see the module doc)."""
 
@@ -351,43 +349,6 @@ class SGLangHybridArm(CacheArm):
         self._events.record_hits(prompt[:hits])
         return hits
 
-    def grow(self, req_id: int, units: list[int]) -> bool:
-        from sglang.srt.mem_cache.allocation import alloc_token_slots
-
-        req = self.requests[req_id]
-        if not units:
-            return True
-        with self._sglang():
-            if not self._fits(len(units)):
-                return False
-            start = req.kv.kv_allocated_len
-            end = start + len(units)
-            slots = alloc_token_slots(self.cache, len(units))
-            self.req_to_token_pool.write((req.kv.req_pool_idx, slice(start, end)), slots)
-            req.output_ids.extend(units)
-            req.kv.kv_allocated_len = req.kv.kv_committed_len = end
-            self._slide_window(req)
-        self._events.drain(self.cache)
-        return True
-
-    def finish(self, req_id: int, output_tokens: int = 0) -> None:
-        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-        from sglang.srt.mem_cache.common import release_kv_cache
-
-        req = self.requests.pop(req_id)
-        with self._sglang():
-            if output_tokens >= 2:  # it decoded past its first step: its window slid
-                self._slide_window(req)
-            req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
-            req.finished_len = len(req.output_ids)
-            release_kv_cache(req, self.cache, checkpoint=True)
-        self._events.drain(self.cache)
-
-    def stats(self) -> ArmStats:
-        self._events.drain(self.cache)
-        cached = self.cache.evictable_size() + self.cache.protected_size()
-        return ArmStats(self._events.evictions, self._events.churn, cached)
-
     def bytes_held(self) -> int:
         """Bytes of cached, unlocked state: each component's evictable size (full and SWA
         in tokens, Mamba in states) times its bytes per unit."""
@@ -406,13 +367,6 @@ class SGLangHybridArm(CacheArm):
         return int(held)
 
     # ------------------------------------------------------------------ helpers
-
-    @contextmanager
-    def _sglang(self) -> Iterator[None]:
-        from sglang.srt.runtime_context import use_context
-
-        with use_context(self._context):
-            yield
 
     def _fits(self, units: int, *, new_request: bool = False) -> bool:
         """Whether SGLang's allocations succeed: `units` full (and SWA) slots from free
@@ -443,10 +397,11 @@ class SGLangHybridArm(CacheArm):
                 return False
         return True
 
-    def _slide_window(self, req: Req) -> None:
+    def _after_step(self, req: Req, finished_output: int | None = None) -> None:
         """Free the request's SWA slots outside its window, as the scheduler's next step
-        does (``ScheduleBatch.maybe_evict_swa``)."""
-        if self.has_swa:
+        does (``ScheduleBatch.maybe_evict_swa``): after each decode step, and at the end
+        of a request that decoded past its first step."""
+        if self.has_swa and (finished_output is None or finished_output >= 2):
             self.cache.evict_sliding_windows(req, req.kv.kv_allocated_len)
 
 

@@ -233,8 +233,14 @@ class SGLangStockArm(CacheArm):
             self.req_to_token_pool.write((req.kv.req_pool_idx, slice(start, end)), slots)
             req.output_ids.extend(units)
             req.kv.kv_allocated_len = req.kv.kv_committed_len = end
+            self._after_step(req)
         self._events.drain(self.cache)
         return True
+
+    def _after_step(self, req: Req, finished_output: int | None = None) -> None:
+        """What the scheduler does after a decode step, and at a request's end (given the
+        tokens it generated), besides allocating: nothing here; the hybrid arm frees
+        sliding-window state."""
 
     def finish(self, req_id: int, output_tokens: int = 0) -> None:
         from sglang.srt.managers.schedule_batch import FINISH_LENGTH
@@ -242,6 +248,7 @@ class SGLangStockArm(CacheArm):
 
         req = self.requests.pop(req_id)
         with self._sglang():
+            self._after_step(req, output_tokens)
             # As `Req.update_finish_state` marks a request that reached its length.
             req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
             req.finished_len = len(req.output_ids)
