@@ -93,6 +93,8 @@ class HybridRow:
     saved_compute_ratio: float = 0.0
     held_gib: dict[str, float] = field(default_factory=dict)  # mean bytes held, by kind
     saved_tflops_per_gib: float = 0.0  # saved prefill TFLOPs per GiB held (mean)
+    # the same saved TFLOPs per GiB each kind holds: what a byte of that state buys
+    saved_tflops_per_kind_gib: dict[str, float] = field(default_factory=dict)
     evictions: int = 0
     preemptions: int = 0
     rejected: int = 0
@@ -279,6 +281,9 @@ def _replay_row(
     row.held_gib = {kind: total / samples / GIB for kind, total in sampler.held_sum.items()}
     held = sum(row.held_gib.values())
     row.saved_tflops_per_gib = counters.saved_flops / 1e12 / held if held else 0.0
+    row.saved_tflops_per_kind_gib = {
+        kind: counters.saved_flops / 1e12 / gib for kind, gib in row.held_gib.items() if gib
+    }
     row.evictions = arm.stats().evictions
     row.preemptions = counters.preemptions
     row.rejected = counters.rejected
