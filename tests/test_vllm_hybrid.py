@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvplug[vllm]')")
 
@@ -326,3 +328,40 @@ def test_a_victim_retires_its_position_in_the_other_sliding_window_groups():
         assert gone == (g in expected or g == group)
     assert arm.stats().evictions == pool.stats.evictions  # KV events saw every eviction
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("spec", [GEMMA, NEMOTRON], ids=lambda s: s.name)
+@settings(max_examples=25, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["admit", "grow", "finish"]), st.integers(0, 3), st.integers(1, 6)
+        ),
+        max_size=30,
+    ),
+    pages=st.integers(20, 80),
+)
+def test_kvplug_pool_invariants_with_several_groups(spec, ops, pages):
+    """Random requests through vLLM's hybrid coordinator over kvplug's pool (cost): the
+    pool's invariants hold after every call, every group sharing one pool, and the arm
+    asserts on each admission that the junction is at most every group's own hit."""
+    arm = make_arm(spec, pages, "cost")
+    pool = arm.manager.block_pool
+    running: list[int] = []
+    fresh = F + 1000
+    for index, (op, family, length) in enumerate(ops):
+        if op == "admit" or not running:
+            fresh += 1
+            prompt = [family * 100 + i for i in range(length)] + [fresh]
+            if arm.admit(index, prompt, length) is not None:
+                running.append(index)
+        elif op == "grow":
+            fresh += 1
+            arm.grow(running[family % len(running)], [fresh])
+        else:
+            arm.finish(running.pop(family % len(running)))
+        pool.check_invariants()
+    for req in running:
+        arm.finish(req)
+    pool.check_invariants()
+    assert arm.stats().evictions == pool.stats.evictions
