@@ -91,6 +91,13 @@ class JunctionCostPolicy(CostPolicy):
     def rank(self, node: HybridRecord) -> float:  # type: ignore[override]
         return self.inflation + self.credit(node) * node.worth
 
+    def insert(self, node: CachedNode) -> None:
+        """A speculative window computed again after its eviction was not thereby reused
+        (only a junction served there reuses it): its ghost earns no credit, and its trial
+        closes as not reused when the ghost ages out."""
+        if not node.speculative:  # type: ignore[attr-defined]
+            super().insert(node)
+
 
 def make_hybrid_policy(name: str, block_tokens: int) -> EvictionPolicy:
     if name == "cost":
@@ -231,19 +238,21 @@ class HybridCache:
         if junction < branch < length and matched[-1].children:
             anchors.add(branch)  # the tree branches here: later requests resume at it
         computed = range(junction + 1, length + 1)  # units this request computes
+        # window KV it keeps whatever the policy says: the window it computes with, and
+        # the window before each anchor; the rest is offered to the policy (`_offer`)
+        kept = self._kept_windows(length, anchors) & set(computed)
         needed = (length - len(held)) * self.kv_bytes
-        if self.window_bytes:  # a speculative window may be evicted before it is rewritten
-            missing = sum(
-                1
-                for d in computed
-                if d > len(held) or not held[d - 1].window_kv or held[d - 1].speculative
-            )
-            needed += missing * self.window_bytes
+        # kept windows already cached: held like the window it computes with (no eviction
+        # may take them), which pins those now speculative
+        protected = [held[d - 1] for d in kept if d <= len(held) and held[d - 1].window_kv]
+        missing = sum(1 for d in kept if d > len(held) or not held[d - 1].window_kv)
+        needed += missing * self.window_bytes
         if self.mamba:
             missing = sum(1 for d in anchors if d > len(held) or not held[d - 1].checkpoint)
             needed += missing * self.checkpoint_bytes
         live = self.checkpoint_bytes
         freeable_held = sum(self._held_bytes(node) for node in held if not node.holders)
+        freeable_held += sum(node.speculative for node in protected) * self.window_bytes
         if junction:  # the served junction's speculative windows stop being evictable
             served = matched[junction - 1]
             speculative = sum(step.speculative for step in self._window_nodes(served))
@@ -252,6 +261,9 @@ class HybridCache:
             return None
         for node in held:
             self._hold(node)
+        for node in protected:
+            node.live += 1
+            self._refresh_window(node)
         self.pinned += live
         self.used += live
         self._count_hit(matched, hits)
@@ -266,15 +278,61 @@ class HybridCache:
             path.append(parent)
         for node in path[-self.window :] if self.window_bytes and self.window else ():
             node.live += 1
-        for depth in computed:
+        for depth in kept:
             self._set_window(path[depth - 1], True)
+        for node in protected:
+            node.live -= 1
         for depth in anchors:
             self._set_checkpoint(path[depth - 1], True)
             path[depth - 1].anchor = True
         self.requests[req_id] = RunningRequest(path, junction > 0, live, output_units)
         start = max(min(junction, *anchors) if anchors else junction, 1)
         self._refresh_around(path[start - 1 :])
+        for depth in sorted(set(computed) - kept, reverse=True):
+            self._offer(path[depth - 1], junction > 0)
         return junction
+
+    def _kept_windows(self, length: int, anchors: set[int]) -> set[int]:
+        if not self.window_bytes:
+            return set()
+        ends = {length, *anchors}
+        return {d for end in ends for d in range(max(end - self.window + 1, 1), end + 1)}
+
+    def _offer(self, node: HybridNode, request_hit: bool) -> None:
+        """Keep `node`'s freshly computed window KV on speculation if it passes the test
+        every cached record passes: room for it, or a lowest-ranked record that ranks
+        below it (evicted for it). A window that would be the next victim is not kept."""
+        if not self.window_bytes or node.window_kv or not self._alive(node):
+            return
+        record = self._new_record(node, speculative=True)
+        record.request_hit = request_hit
+        record.worth = self._speculative_worth(node)
+        policy = self.policy
+        policy.release(record)
+        while self.capacity - self.used < self.window_bytes:
+            lowest = policy.first_candidate()
+            if lowest is None or policy.entry_of(lowest) > policy.entry_of(record):
+                policy.remove(record)
+                return
+            self._retire(lowest)
+            if not self._alive(node):
+                policy.remove(record)
+                return
+        self._set_window(node, True)  # held by the request, not live: speculative
+        self._account(node, -1)
+        node.speculative = True
+        self._account(node, 1)
+        node.window_record = record
+        policy.add_candidate(record)
+        record.candidate = True
+
+    def _speculative_worth(self, node: HybridNode) -> float:
+        # a speculative window serves a request leaving the path here rather than one
+        # unit earlier, where the window before it is likely present too: it saves its
+        # own unit's prefill
+        bt = self.block_tokens
+        unit = self.spec.prefill_flops((node.depth - 1) * bt, node.depth * bt)
+        return unit / self.window_bytes * self._worth_scale
 
     def can_grow(self, req_id: int, units: int) -> bool:
         needed = units * (self.kv_bytes + self.window_bytes)
@@ -554,13 +612,7 @@ class HybridCache:
             return
         if node.window_record is None:
             record = node.window_record = self._new_record(node, speculative=True)
-            # a speculative window serves a request leaving the path here rather than one
-            # unit earlier, where the window before it is likely present too: it saves its
-            # own unit's prefill
-            bt = self.block_tokens
-            unit = self.spec.prefill_flops((node.depth - 1) * bt, node.depth * bt)
-            worth = unit / self.window_bytes
-            record.worth = worth * self._worth_scale
+            record.worth = self._speculative_worth(node)
             self.policy.release(record)
             self.policy.add_candidate(record)
             record.candidate = True

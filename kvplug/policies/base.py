@@ -161,6 +161,11 @@ class RankedPolicy(EvictionPolicy):
         first = self.first_candidate()
         return None if first is None else self.rank_of(first)
 
+    def entry_of(self, node: CachedNode) -> tuple[float, int, int]:
+        """`node`'s place in the eviction order at its latest release: (rank, release
+        order, serial); a smaller entry is evicted sooner."""
+        return self._rank[node.serial]
+
     def rank_of(self, node: CachedNode) -> float:
         """The rank `node` was given at its latest release (it must have been released)."""
         return self._rank[node.serial][0]
