@@ -523,22 +523,19 @@ class HybridCache:
         self.policy.insert(record)
         return record
 
+    def _forget(self, record: HybridRecord | None) -> None:
+        """`record` leaves the policy (no-op for None)."""
+        if record is not None:
+            if record.candidate:
+                self.policy.discard_candidate(record)
+            self.policy.remove(record)
+
     def _drop_record(self, node: HybridNode) -> None:
-        record = node.record
-        if record is None:
-            return
-        if record.candidate:
-            self.policy.discard_candidate(record)
-        self.policy.remove(record)
+        self._forget(node.record)
         node.record = None
 
     def _drop_window_record(self, node: HybridNode) -> None:
-        record = node.window_record
-        if record is None:
-            return
-        if record.candidate:
-            self.policy.discard_candidate(record)
-        self.policy.remove(record)
+        self._forget(node.window_record)
         node.window_record = None
 
     def _refresh_around(self, nodes: list[HybridNode]) -> None:
