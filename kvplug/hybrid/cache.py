@@ -44,69 +44,12 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from kvplug.core.groups import GroupKind
-from kvplug.errors import ConfigError, UnknownPolicyError
+from kvplug.errors import ConfigError
 from kvplug.hybrid.junction import Hits, longest_hits
+from kvplug.hybrid.policy import HybridRecord, make_hybrid_policy
 from kvplug.hybrid.spec import HybridSpec
-from kvplug.policies import EvictionPolicy, make_policy
-from kvplug.policies.cost import CostPolicy, ReuseClass
-from kvplug.policies.node import CachedNode
 
-HYBRID_POLICIES = ("lru", "cost")
 MARGINAL_REACH = 64  # units a record's worth looks up for the junction above it
-
-
-class JunctionCostPolicy(CostPolicy):
-    """`cost` over hybrid records: GreedyDual with the record's own worth (FLOPs it saves
-    per byte its removal frees) in place of a block's value by depth.
-
-    A record's reuse class always includes its `from_end`, the junctions of the releasing
-    request's path below it (0: the deepest): a conversation's earlier turns end in
-    junctions its later turns pass, reused once and then rarely again; and whether it is a
-    speculative window.
-    """
-
-    def classify(self, node: CachedNode) -> ReuseClass:
-        output = min(node.request_output.bit_length(), 12)
-        return (
-            min(self.reuses(node), 3),
-            min(node.from_end, 3),
-            int(node.request_hit),
-            int(node.speculative),  # type: ignore[attr-defined]
-            output,
-        )
-
-    def credit(self, node: CachedNode) -> float:
-        serial = node.serial
-        code = (min(self.reuses(node), 3) << 2 | min(node.from_end, 3)) << 1
-        code = (code | bool(node.request_hit)) << 1 | node.speculative  # type: ignore[attr-defined]
-        code = code << 4 | min(node.request_output.bit_length(), 12)  # below 1024
-        self._trial[serial] = code
-        probability = self._probability.get(code)
-        if probability is None:
-            if code not in self._classes:
-                self._classes[code] = self.classify(node)
-            probability = self._probability[code] = self.reuse_probability(self._classes[code])
-        return (1 + min(node.hits, 3)) * probability
-
-    def rank(self, node: HybridRecord) -> float:  # type: ignore[override]
-        return self.inflation + self.credit(node) * node.worth
-
-    def insert(self, node: CachedNode) -> None:
-        """A speculative window computed again after its eviction was not thereby reused
-        (only a junction served there reuses it): its ghost earns no credit, and its trial
-        closes as not reused when the ghost ages out."""
-        if not node.speculative:  # type: ignore[attr-defined]
-            super().insert(node)
-
-
-def make_hybrid_policy(name: str, block_tokens: int) -> EvictionPolicy:
-    if name == "cost":
-        return JunctionCostPolicy(tokens_per_block=block_tokens)
-    if name == "lru":
-        return make_policy("lru")
-    raise UnknownPolicyError(
-        f"unknown hybrid policy {name!r}; accepted: {', '.join(HYBRID_POLICIES)}"
-    )
 
 
 class HybridNode:
@@ -131,24 +74,6 @@ class HybridNode:
         self.live = 0  # running requests computing with its window KV
         self.record: HybridRecord | None = None  # its junction
         self.window_record: HybridRecord | None = None  # its speculative window
-
-
-@dataclass(eq=False, slots=True)
-class HybridRecord:
-    """A junction or a speculative window as the policy sees it (the `CachedNode`
-    contract), plus its worth."""
-
-    serial: int
-    key: int
-    depth: int
-    node: HybridNode
-    speculative: bool  # a speculative window, not a junction
-    hits: int = 0
-    from_end: int = 0
-    request_hit: bool = False
-    request_output: int = 0
-    worth: float = 0.0
-    candidate: bool = False
 
 
 @dataclass
@@ -707,49 +632,10 @@ class HybridCache:
             stack.extend(node.children.values())
 
     def check_invariants(self) -> None:
-        used = pinned = sum(r.live_bytes for r in self.requests.values())
-        cached = {kind: 0 for kind in self.kinds}
-        holders: dict[int, int] = {}
-        live: dict[int, int] = {}
-        for request in self.requests.values():
-            for node in request.path:
-                holders[id(node)] = holders.get(id(node), 0) + 1
-            for node in request.path[-self.window :] if self.window_bytes and self.window else ():
-                live[id(node)] = live.get(id(node), 0) + 1
-        candidates = 0
-        for node in self.nodes():
-            assert node.parent.children.get(node.unit) is node, "tree link broken"
-            assert node.holders == holders.get(id(node), 0), "holder count off"
-            assert node.live == live.get(id(node), 0), "live window count off"
-            window = self.window_bytes if node.window_kv else 0
-            checkpoint = self.checkpoint_bytes if node.checkpoint else 0
-            used += self.kv_bytes + window + checkpoint
-            if node.holders:
-                pinned += self.kv_bytes + checkpoint + (0 if node.speculative else window)
-            else:
-                cached[GroupKind.FULL] += self.kv_bytes
-                if checkpoint:
-                    cached[GroupKind.MAMBA] += checkpoint
-            if window and (node.speculative or not node.holders):
-                cached[GroupKind.SLIDING_WINDOW] += window
-            record = node.record
-            assert (record is not None) == self._is_junction(node), "junction record stale"
-            if record is not None and record.candidate:
-                candidates += 1
-                assert not node.holders, "a held junction is a candidate"
-            speculative = node.window_kv and not node.live and not self._window_needed(node, None)
-            assert node.speculative == speculative, "speculative window state stale"
-            assert (node.window_record is not None) == speculative, "window record stale"
-            if node.window_record is not None:
-                assert node.window_record.candidate
-                candidates += 1
-            if not node.children and not node.holders:
-                assert node.record is not None, "a leaf no junction needs was kept"
-        assert used == self.used, f"used bytes {self.used} != {used}"
-        assert pinned == self.pinned, f"pinned bytes {self.pinned} != {pinned}"
-        assert cached == self.cached_by_kind, "bytes by kind off"
-        assert self.used <= self.capacity, "over capacity"
-        assert candidates == len(self.policy), "policy candidates differ from records"
+        """Raise AssertionError if an invariant of the module docstring does not hold."""
+        from kvplug.hybrid.audit import check_invariants
+
+        check_invariants(self)
 
 
-__all__ = ["HYBRID_POLICIES", "HybridCache", "JunctionCostPolicy", "make_hybrid_policy"]
+__all__ = ["HybridCache", "HybridNode"]

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 
 from kvplug.core.groups import GroupKind
 from kvplug.errors import KVPlugError, UnknownPolicyError
-from kvplug.hybrid.cache import HYBRID_POLICIES, HybridCache
+from kvplug.hybrid.cache import HybridCache
+from kvplug.hybrid.policy import HYBRID_POLICIES
 from kvplug.hybrid.spec import HybridSpec
 from kvplug.replay.arms import FRESH_UNIT_BASE, ArmStats, ArmUnavailable, CacheArm
 from kvplug.replay.loop import Job, Timing, make_jobs, replay

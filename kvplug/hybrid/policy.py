@@ -1,0 +1,96 @@
+"""How kvplug's hybrid cache ranks what it keeps: junctions and speculative windows.
+
+Both are `HybridRecord`s, read by a policy through the `CachedNode` contract; one policy
+instance ranks both kinds, so one decision spans the groups. `lru` orders them by release.
+`cost` is `JunctionCostPolicy`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvplug.errors import UnknownPolicyError
+from kvplug.policies import EvictionPolicy, make_policy
+from kvplug.policies.cost import CostPolicy, ReuseClass
+from kvplug.policies.node import CachedNode
+
+if TYPE_CHECKING:
+    from kvplug.hybrid.cache import HybridNode
+
+HYBRID_POLICIES = ("lru", "cost")
+
+
+@dataclass(eq=False, slots=True)
+class HybridRecord:
+    """A junction or a speculative window as the policy sees it (the `CachedNode`
+    contract), plus its worth."""
+
+    serial: int
+    key: int
+    depth: int
+    node: HybridNode
+    speculative: bool  # a speculative window, not a junction
+    hits: int = 0
+    from_end: int = 0
+    request_hit: bool = False
+    request_output: int = 0
+    worth: float = 0.0
+    candidate: bool = False
+
+
+class JunctionCostPolicy(CostPolicy):
+    """`cost` over hybrid records: GreedyDual with the record's own worth (FLOPs it saves
+    per byte its removal frees) in place of a block's value by depth.
+
+    A record's reuse class always includes its `from_end`, the junctions of the releasing
+    request's path below it (0: the deepest): a conversation's earlier turns end in
+    junctions its later turns pass, reused once and then rarely again; and whether it is a
+    speculative window.
+    """
+
+    def classify(self, node: CachedNode) -> ReuseClass:
+        output = min(node.request_output.bit_length(), 12)
+        return (
+            min(self.reuses(node), 3),
+            min(node.from_end, 3),
+            int(node.request_hit),
+            int(node.speculative),  # type: ignore[attr-defined]
+            output,
+        )
+
+    def credit(self, node: CachedNode) -> float:
+        serial = node.serial
+        code = (min(self.reuses(node), 3) << 2 | min(node.from_end, 3)) << 1
+        code = (code | bool(node.request_hit)) << 1 | node.speculative  # type: ignore[attr-defined]
+        code = code << 4 | min(node.request_output.bit_length(), 12)  # below 1024
+        self._trial[serial] = code
+        probability = self._probability.get(code)
+        if probability is None:
+            if code not in self._classes:
+                self._classes[code] = self.classify(node)
+            probability = self._probability[code] = self.reuse_probability(self._classes[code])
+        return (1 + min(node.hits, 3)) * probability
+
+    def rank(self, node: HybridRecord) -> float:  # type: ignore[override]
+        return self.inflation + self.credit(node) * node.worth
+
+    def insert(self, node: CachedNode) -> None:
+        """A speculative window computed again after its eviction was not thereby reused
+        (only a junction served there reuses it): its ghost earns no credit, and its trial
+        closes as not reused when the ghost ages out."""
+        if not node.speculative:  # type: ignore[attr-defined]
+            super().insert(node)
+
+
+def make_hybrid_policy(name: str, block_tokens: int) -> EvictionPolicy:
+    if name == "cost":
+        return JunctionCostPolicy(tokens_per_block=block_tokens)
+    if name == "lru":
+        return make_policy("lru")
+    raise UnknownPolicyError(
+        f"unknown hybrid policy {name!r}; accepted: {', '.join(HYBRID_POLICIES)}"
+    )
+
+
+__all__ = ["HYBRID_POLICIES", "HybridRecord", "JunctionCostPolicy", "make_hybrid_policy"]
