@@ -46,23 +46,20 @@ class HybridKVPlugArm(CacheArm):
     def __init__(self, spec: HybridSpec, capacity_bytes: int, block_tokens: int, policy: str):
         self.name = policy
         self.cache = HybridCache(spec, capacity_bytes, block_tokens, policy)
-        self.group_hits: dict[str, int] = {}
         self._block_tokens = block_tokens
 
     def admit(self, req_id: int, prompt: list[int], compute: int) -> int | None:
         # The replay marks a partial last block (and the sequential sentinel) with a fresh
         # id; the prompt's full units end before it, as an engine's full blocks do.
         cacheable = next((i for i, unit in enumerate(prompt) if unit >= FRESH_UNIT_BASE), None)
-        before = dict(self.cache.metrics.kind_units)
-        junction = self.cache.admit(
+        return self.cache.admit(
             req_id, prompt, compute, len(prompt) if cacheable is None else cacheable
         )
-        if junction is not None:
-            for kind, units in self.cache.metrics.kind_units.items():
-                self.group_hits[kind.value] = (
-                    self.group_hits.get(kind.value, 0) + units - before.get(kind, 0)
-                )
-        return junction
+
+    @property
+    def group_hits(self) -> dict[str, int]:
+        """Each kind's own hit, summed over successful admissions (the cache counts them)."""
+        return {kind.value: units for kind, units in self.cache.metrics.kind_units.items()}
 
     def grow(self, req_id: int, units: list[int]) -> bool:
         return self.cache.grow(req_id, units)
