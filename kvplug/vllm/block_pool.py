@@ -13,14 +13,15 @@ and metrics collector. It changes two things:
   call), hit and dropped, and the core names the victim: the policy's lowest-ranked
   *leaf*, so a shared root is evicted after the leaves below it.
 
-With ``lru`` the pool is not tracked: the queue evicts the block released longest ago,
-which is vLLM's own order (fresh blocks first, then cached blocks least recently released
-first, a request's tail before its head), so kvplug reproduces stock vLLM's cache hits
-exactly. A request holding a block holds every block before it, and frees them tail
-first, so in that order a block is released no earlier than the blocks below it (unless
-vLLM cached two blocks with one hash; this mode then still follows vLLM): the leaf rule
-would change nothing, and no record, ranking or tree is kept. The pool still counts
-hits, evictions, churn and cached blocks, exactly as when tracked.
+With ``lru`` the pool is not tracked (`ReleaseOrderPool`): vLLM's own free queue
+evicts the block released longest ago, which is vLLM's own order (fresh blocks first,
+then cached blocks least recently released first, a request's tail before its head), so
+kvplug reproduces stock vLLM's cache hits exactly. A request holding a block holds every
+block before it, and frees them tail first, so in that order a block is released no
+earlier than the blocks below it (unless vLLM cached two blocks with one hash; this mode
+then still follows vLLM): the leaf rule would change nothing, and no record, ranking,
+tree or per-block state is kept. The pool still counts hits, evictions, churn and cached
+blocks, exactly as when tracked.
 
 Invariants (checked by `check_invariants`):
 
@@ -42,7 +43,7 @@ from itertools import count
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.core.groups import GroupKind
@@ -117,8 +118,8 @@ class KVPlugBlockPool(BlockPool):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # vLLM's constructor built its own queue and took the null block from it.
-        self.free_block_queue = PolicyFreeQueue(self, [b for b in self.blocks if not b.is_null])
+        # vLLM's constructor built its own queue and took the null block from it;
+        # `use_policy` sets the queue this pool's policy needs.
         self._slots = [CachedBlock(block) for block in self.blocks]  # by block id
         self._keys: list[Any] = [None] * len(self.blocks)  # by block id
         self._num_keys = 0  # blocks whose _keys entry is set
@@ -161,7 +162,13 @@ class KVPlugBlockPool(BlockPool):
         # dependents to evict next: (record, its serial, the victim's key they depend on)
         self._retiring: deque[tuple[CachedBlock, int, Any]] = deque()
         self.tracked = type(policy) is not LRUPolicy
-        self.free_block_queue.tracked = self.tracked
+        free = [b for b in self.blocks if not b.is_null]  # nothing cached: all held or free
+        if self.tracked:
+            self.__class__ = KVPlugBlockPool
+            self.free_block_queue = PolicyFreeQueue(self, free)
+        else:  # vLLM's own queue and order; `ReleaseOrderPool` only counts
+            self.__class__ = ReleaseOrderPool
+            self.free_block_queue = FreeKVCacheBlockQueue(free)
 
     def num_cached_blocks(self) -> int:
         """Blocks holding a reusable hash, held or free."""
@@ -170,19 +177,12 @@ class KVPlugBlockPool(BlockPool):
     # -- vLLM's entry points -------------------------------------------------------------
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """A request reuses `blocks` (prefix hits): count the hit, then take a reference."""
-        keys, hits = self._keys, 0
-        if self.tracked:
-            slots, hit = self._slots, self.eviction.hit
-            for block in blocks:
-                key = keys[block.block_id]
-                if key is not None and key == block._block_hash:
-                    hits += 1
-                    hit(slots[block.block_id])
-        else:
-            for block in blocks:
-                key = keys[block.block_id]
-                if key is not None and key == block._block_hash:
-                    hits += 1
+        keys, slots, hit, hits = self._keys, self._slots, self.eviction.hit, 0
+        for block in blocks:
+            key = keys[block.block_id]
+            if key is not None and key == block._block_hash:
+                hits += 1
+                hit(slots[block.block_id])
         self.stats.block_hits += hits
         super().touch(blocks)
 
@@ -202,13 +202,6 @@ class KVPlugBlockPool(BlockPool):
             kv_cache_group_id, block_mask,
         )  # fmt: skip
         keys = self._keys
-        if not self.tracked:
-            for i in range(num_cached_blocks, num_full_blocks):
-                block = blocks[i]
-                key = block._block_hash
-                if key is not None and keys[block.block_id] != key:
-                    self._adopt(block, key)
-            return
         tree = self.tree_groups is None or kv_cache_group_id in self.tree_groups
         parent = None
         if tree and num_cached_blocks > 0:
@@ -247,12 +240,6 @@ class KVPlugBlockPool(BlockPool):
         """Blocks (with a hash) lost their last holder, each with its `from_end` (blocks
         of the releasing request after it): rank them and offer them for eviction."""
         keys = self._keys
-        if not self.tracked:  # the queue's release order is the ranking
-            for _, block in released:
-                key = block._block_hash
-                if keys[block.block_id] != key:
-                    self._adopt(block, key)
-            return
         slots, release_n = self._slots, self.eviction.release_n
         records: list[CachedBlock] = []
         request_hit = self.releasing.request_hit
@@ -274,8 +261,7 @@ class KVPlugBlockPool(BlockPool):
 
     def on_unfree(self, block: KVCacheBlock) -> None:
         """`block` left the queue's cached set without being evicted (a prefix hit)."""
-        if self.tracked:
-            self.eviction.reclaim(self._slots[block.block_id])
+        self.eviction.reclaim(self._slots[block.block_id])
 
     def evict_next(self) -> KVCacheBlock:
         """Forget the eviction core's next victim (its hash goes when vLLM hands the block
@@ -338,13 +324,7 @@ class KVPlugBlockPool(BlockPool):
 
     def on_evicted(self, blocks: list[KVCacheBlock]) -> None:
         """The queue evicted `blocks` (their hashes go when vLLM hands them out): forget
-        them (when tracked, `evict_next` did), count them and remember their hashes, for
-        churn."""
-        if not self.tracked:
-            keys = self._keys
-            for block in blocks:
-                keys[block.block_id] = None
-            self._num_keys -= len(blocks)
+        them (`evict_next` did), count them and remember their hashes, for churn."""
         self.stats.evictions += len(blocks)
         evicted = self._evicted
         for block in blocks:
@@ -378,10 +358,9 @@ class KVPlugBlockPool(BlockPool):
     def _forget(self, block: KVCacheBlock) -> None:
         """`block` no longer holds the hash the pool accounts for: it leaves the eviction
         core (tracked) and the pool's count."""
-        if self.tracked:
-            record = self._slots[block.block_id]
-            self.eviction.remove(record)
-            record.serial = -1  # records that name it as parent see a dead link
+        record = self._slots[block.block_id]
+        self.eviction.remove(record)
+        record.serial = -1  # records that name it as parent see a dead link
         self._keys[block.block_id] = None
         self._num_keys -= 1
 
@@ -396,19 +375,15 @@ class KVPlugBlockPool(BlockPool):
             key = self._keys[block.block_id]
             if key is not None:
                 assert key == block.block_hash, f"block {block.block_id}: stale key"
-                if self.tracked:
-                    record = self._slots[block.block_id]
-                    assert record.key == key, f"block {block.block_id}: stale record"
-                    assert record.evictable == queue.is_cached(block), block.block_id
+                record = self._slots[block.block_id]
+                assert record.key == key, f"block {block.block_id}: stale record"
+                assert record.evictable == queue.is_cached(block), block.block_id
             else:
                 assert not queue.is_cached(block), f"block {block.block_id}: cached, no key"
         assert queue.num_free_blocks == sum(
             1 for b in self.blocks if not b.is_null and b.ref_cnt == 0
         )
         assert self._num_keys == sum(1 for key in self._keys if key is not None)
-        if not self.tracked:
-            assert len(self.policy) == 0, "an untracked policy has candidates"
-            return
         records = [self._slots[i] for i, key in enumerate(self._keys) if key is not None]
         children: dict[int, int] = {}
         for record in records:
@@ -424,6 +399,98 @@ class KVPlugBlockPool(BlockPool):
             )
             leaves += record.evictable and found == 0
         assert len(self.policy) == leaves, "the policy's candidates are not the cached leaves"
+
+
+class ReleaseOrderPool(KVPlugBlockPool):
+    """The pool with kvplug's ``lru``: vLLM's own free queue and code, kvplug counting.
+
+    kvplug's lru is vLLM's order (see the module doc), so this pool ranks nothing and
+    keeps no per-block record: it is vLLM's `BlockPool` with its `FreeKVCacheBlockQueue`,
+    counting hits, evictions, churn and cached blocks as a tracked pool does (a test
+    checks them against tracked lru, operation by operation). `use_policy` makes a pool
+    this class for `LRUPolicy`, and a `KVPlugBlockPool` again for any other policy.
+
+    `get_new_blocks` is vLLM 0.32's own, with the eviction counted in its loop: a wrapper
+    of `_maybe_evict_cached_block` would cost a call for every block handed out.
+    """
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self.stats.block_hits += sum(1 for block in blocks if block._block_hash is not None)
+        BlockPool.touch(self, blocks)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        taken: list[KVCacheBlock] = self.free_block_queue.popleft_n(num_blocks)
+        if self._reuse_watchers:
+            self._notify_reuse(taken)
+        caching, collector = self.enable_caching, self.metrics_collector
+        evict, evicted, evictions = BlockPool._maybe_evict_cached_block, self._evicted, 0
+        for block in taken:
+            if caching:
+                key = block._block_hash
+                if key is not None:
+                    evicted[key] = None
+                    evictions += 1
+                    evict(self, block)
+                elif collector:  # vLLM's call, for its collector's bookkeeping
+                    evict(self, block)
+            assert block.ref_cnt == 0
+            block.ref_cnt += 1
+            if collector:
+                collector.on_block_allocated(block)
+        if evictions:
+            self._num_keys -= evictions
+            self.stats.evictions += evictions
+            while len(evicted) > self.num_gpu_blocks:
+                evicted.popitem(last=False)
+        return taken
+
+    def cache_full_blocks(
+        self,
+        request: Any,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: list[bool] | None = None,
+    ) -> None:
+        before = [(b, b._block_hash) for b in blocks[num_cached_blocks:num_full_blocks]]
+        BlockPool.cache_full_blocks(
+            self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
+            kv_cache_group_id, block_mask,
+        )  # fmt: skip
+        evicted, churn = self._evicted, 0
+        for block, old in before:
+            key = block._block_hash
+            if key is not None and key != old:
+                self._num_keys += old is None
+                if evicted.pop(key, 0) is None:  # cached again after an eviction
+                    churn += 1
+        self.stats.churn += churn
+
+    def reset_prefix_cache(self) -> bool:
+        if not BlockPool.reset_prefix_cache(self):
+            return False
+        self._num_keys = 0
+        return True
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Evicted on request (a KV connector): not counted as an eviction."""
+        self._num_keys -= block._block_hash is not None
+        return BlockPool._maybe_evict_cached_block(self, block)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if an invariant of the module doc does not hold."""
+        free = {block.block_id for block in self.free_block_queue.get_all_free_blocks()}
+        for block in self.blocks:
+            if not block.is_null:
+                held = block.ref_cnt > 0
+                assert held != (block.block_id in free), f"block {block.block_id}: held and free"
+        assert self.free_block_queue.num_free_blocks == len(free)
+        assert self._num_keys == sum(1 for b in self.blocks if b._block_hash is not None)
+        assert len(self.policy) == 0, "lru ranks nothing in the pool"
 
 
 def _default_policy() -> EvictionPolicy:

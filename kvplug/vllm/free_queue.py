@@ -5,10 +5,9 @@ out its head. `PolicyFreeQueue` has the same interface, split in two:
 
 - *fresh* blocks hold nothing reusable (no hash). They go out first, the most recently
   freed first, as in vLLM (which prepends them to its queue).
-- *cached* blocks (a hash, no holder) are the eviction candidates' pool, kept in release
-  order: when no fresh block is left, the queue evicts the eviction core's next victim
-  (its `KVPlugBlockPool` names it), or, when the pool does not track its blocks (``lru``),
-  the block released longest ago, which is that policy's choice.
+- *cached* blocks (a hash, no holder) are the eviction candidates' pool: when no fresh
+  block is left, the queue evicts the eviction core's next victim (its `KVPlugBlockPool`
+  names it). With ``lru`` the pool uses vLLM's own queue instead (`ReleaseOrderPool`).
 
 Invariant: a block is in at most one of the two sets, and ``num_free_blocks`` is their
 total size.
@@ -16,7 +15,7 @@ total size.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import count
 from typing import TYPE_CHECKING
@@ -40,25 +39,10 @@ class PolicyFreeQueue:
         self.pool = pool
         self._fresh: deque[tuple[KVCacheBlock, int]] = deque()  # right end goes out first
         self._fresh_entry: dict[int, int] = {}  # block id -> serial of its live entry
-        # block id -> block, in release order (the victim order when not `tracked`)
-        self._cached: dict[int, KVCacheBlock] = {}
-        self._tracked = True
+        self._cached: dict[int, KVCacheBlock] = {}  # block id -> block
         self._serials = count()
         for block in reversed(blocks):
             self._push_fresh(block, first=True)
-
-    @property
-    def tracked(self) -> bool:
-        """Whether the pool's eviction core names the victims (else: release order)."""
-        return self._tracked
-
-    @tracked.setter
-    def tracked(self, tracked: bool) -> None:
-        if self._cached:
-            raise RuntimeError("the eviction mode can only change while nothing is cached")
-        self._tracked = tracked
-        # only the release-order mode needs OrderedDict's O(1) pop of the oldest
-        self._cached = {} if tracked else OrderedDict()
 
     # -- the interface of vLLM's FreeKVCacheBlockQueue --------------------------------
     @property
@@ -93,8 +77,7 @@ class PolicyFreeQueue:
         if self._fresh_entry.pop(block.block_id, None) is not None:
             return
         del self._cached[block.block_id]
-        if self._tracked:
-            self.pool.on_unfree(block)
+        self.pool.on_unfree(block)
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])
@@ -150,15 +133,10 @@ class PolicyFreeQueue:
         """Evict `n` cached blocks (there are that many), the pool's choices in order."""
         cached, pool = self._cached, self.pool
         victims: list[KVCacheBlock] = []
-        if self._tracked:
-            for _ in range(n):
-                block = pool.evict_next()
-                del cached[block.block_id]
-                victims.append(block)
-        else:
-            assert isinstance(cached, OrderedDict)
-            for _ in range(n):
-                victims.append(cached.popitem(last=False)[1])
+        for _ in range(n):
+            block = pool.evict_next()
+            del cached[block.block_id]
+            victims.append(block)
         pool.on_evicted(victims)
         return victims
 

@@ -56,6 +56,9 @@ class KVPlugKVCacheManager(KVCacheManager):
         return result
 
     def free(self, request: Any) -> None:
+        if not self.block_pool.tracked:  # lru: nothing is ranked, so nothing to tell
+            super().free(request)
+            return
         self.block_pool.releasing = Release(
             output_tokens=request.num_output_tokens,
             request_hit=matched_tokens(request) > 0,
