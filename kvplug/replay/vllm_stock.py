@@ -191,9 +191,10 @@ class VLLMStockArm(CacheArm):
                     self._churn += self._hits.pop(key, 0) == 0
 
 
-def build_manager(config: Any, policy: EvictionPolicy | None) -> Any:
+def build_manager(config: Any, policy: EvictionPolicy | None, kv_events: bool = True) -> Any:
     """vLLM's `KVCacheManager` over `config`, one unit per token and per block, prefix
-    caching and KV events on; with kvplug's pool ranked by `policy` unless it is None."""
+    caching on, KV events on unless `kv_events` is False (as in a ``vllm serve`` without
+    ``--kv-events-config``); with kvplug's pool ranked by `policy` unless it is None."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     manager_kwargs = dict(
@@ -202,7 +203,7 @@ def build_manager(config: Any, policy: EvictionPolicy | None) -> Any:
         scheduler_block_size=1,
         hash_block_size=1,
         enable_caching=True,
-        enable_kv_cache_events=True,
+        enable_kv_cache_events=kv_events,
     )
     if policy is None:
         return KVCacheManager(**manager_kwargs)

