@@ -330,6 +330,7 @@ def test_a_victim_retires_its_position_in_the_other_sliding_window_groups():
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("policy", ["cost", "lru"])
 @pytest.mark.parametrize("spec", [GEMMA, NEMOTRON], ids=lambda s: s.name)
 @settings(max_examples=25, deadline=None)
 @given(
@@ -341,11 +342,12 @@ def test_a_victim_retires_its_position_in_the_other_sliding_window_groups():
     ),
     pages=st.integers(20, 80),
 )
-def test_kvplug_pool_invariants_with_several_groups(spec, ops, pages):
-    """Random requests through vLLM's hybrid coordinator over kvplug's pool (cost): the
-    pool's invariants hold after every call, every group sharing one pool, and the arm
+def test_kvplug_pool_invariants_with_several_groups(policy, spec, ops, pages):
+    """Random requests through vLLM's hybrid coordinator over kvplug's pool (ranked by
+    `cost`, or vLLM's own queue with `lru`): the pool's invariants, including its count of
+    cached blocks, hold after every call, every group sharing one pool, and the arm
     asserts on each admission that the junction is at most every group's own hit."""
-    arm = make_arm(spec, pages, "cost")
+    arm = make_arm(spec, pages, policy)
     pool = arm.manager.block_pool
     running: list[int] = []
     fresh = F + 1000

@@ -169,6 +169,7 @@ class KVPlugBlockPool(BlockPool):
         else:  # vLLM's own queue and order; `ReleaseOrderPool` only counts
             self.__class__ = ReleaseOrderPool
             self.free_block_queue = FreeKVCacheBlockQueue(free)
+            self._partial_entries = False  # whether vLLM registered a partial entry
 
     def num_cached_blocks(self) -> int:
         """Blocks holding a reusable hash, held or free."""
@@ -412,6 +413,7 @@ class ReleaseOrderPool(KVPlugBlockPool):
 
     `get_new_blocks` is vLLM 0.32's own, with the eviction counted in its loop: a wrapper
     of `_maybe_evict_cached_block` would cost a call for every block handed out.
+    (`kvplug.vllm.version` pins the vLLM versions this copy is checked against.)
     """
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -419,22 +421,37 @@ class ReleaseOrderPool(KVPlugBlockPool):
         BlockPool.touch(self, blocks)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """vLLM's `get_new_blocks`, with `_maybe_evict_cached_block` and
+        `_remove_cached_block_hashes` inlined for the blocks handed out: the same effects
+        (hash map, block hashes, collector calls, KV events) in fewer Python calls, which
+        pays for counting the evictions."""
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         taken: list[KVCacheBlock] = self.free_block_queue.popleft_n(num_blocks)
         if self._reuse_watchers:
             self._notify_reuse(taken)
         caching, collector = self.enable_caching, self.metrics_collector
-        evict, evicted, evictions = BlockPool._maybe_evict_cached_block, self._evicted, 0
+        hash_map, extra_hashes = self.cached_block_hash_to_block, self.cached_block_hashes_by_block
+        events = self.enable_kv_cache_events
+        evicted, evictions = self._evicted, 0
         for block in taken:
             if caching:
+                if collector:
+                    collector.on_block_evicted(block)
                 key = block._block_hash
                 if key is not None:
+                    block_id = block.block_id
+                    removed = [key] if hash_map.pop(key, block_id) is not None else []
+                    if extra_hashes:
+                        for other in extra_hashes.pop(block_id, ()):
+                            if hash_map.pop(other, block_id) is not None:
+                                removed.append(other)
+                    block._block_hash = None  # block.reset_hash()
+                    block._block_hash_num_tokens = None
+                    if events and removed:
+                        self._emit_block_removed_events(removed)
                     evicted[key] = None
                     evictions += 1
-                    evict(self, block)
-                elif collector:  # vLLM's call, for its collector's bookkeeping
-                    evict(self, block)
             assert block.ref_cnt == 0
             block.ref_cnt += 1
             if collector:
@@ -456,19 +473,39 @@ class ReleaseOrderPool(KVPlugBlockPool):
         kv_cache_group_id: int,
         block_mask: list[bool] | None = None,
     ) -> None:
-        before = [(b, b._block_hash) for b in blocks[num_cached_blocks:num_full_blocks]]
+        """vLLM's, then the new hashes counted. Until vLLM registers a partial entry (a
+        hash for part of a block, see `cache_partial_block`), the blocks being cached hold
+        no hash yet, so no before-state is needed."""
+        new = blocks[num_cached_blocks:num_full_blocks]
+        before = [b._block_hash for b in new] if self._partial_entries else None
         BlockPool.cache_full_blocks(
             self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
             kv_cache_group_id, block_mask,
         )  # fmt: skip
-        evicted, churn = self._evicted, 0
-        for block, old in before:
+        evicted, cached, churn = self._evicted, 0, 0
+        for i, block in enumerate(new):
             key = block._block_hash
-            if key is not None and key != old:
-                self._num_keys += old is None
+            if key is None:
+                continue
+            old = None if before is None else before[i]
+            if key != old:
+                cached += old is None
                 if evicted.pop(key, 0) is None:  # cached again after an eviction
                     churn += 1
+        self._num_keys += cached
         self.stats.churn += churn
+
+    def cache_partial_block(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's; a block that gets its first hash this way is counted as cached."""
+        block: KVCacheBlock = kwargs["block"] if "block" in kwargs else args[1]
+        old = block._block_hash
+        key = BlockPool.cache_partial_block(self, *args, **kwargs)
+        self._partial_entries = True
+        if old is None and block._block_hash is not None:
+            self._num_keys += 1
+            if self._evicted.pop(block._block_hash, 0) is None:
+                self.stats.churn += 1
+        return key
 
     def reset_prefix_cache(self) -> bool:
         if not BlockPool.reset_prefix_cache(self):
