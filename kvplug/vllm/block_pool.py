@@ -115,6 +115,7 @@ class KVPlugBlockPool(BlockPool):
     eviction: EvictionCore[CachedBlock]
     stats: PoolStats
     tracked: bool  # the eviction core ranks every cached block (any policy but exact lru)
+    counts_handed_out = False  # evictions counted in get_new_blocks (else by the queue)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -216,6 +217,51 @@ class KVPlugBlockPool(BlockPool):
                 continue
             record = self._record(block, parent)
             parent = record if tree else None
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """vLLM's `get_new_blocks`, with `_maybe_evict_cached_block` and
+        `_remove_cached_block_hashes` inlined for the blocks handed out: the same effects
+        (hash map, block hashes, collector calls, KV events) in fewer Python calls, which
+        pays for kvplug's bookkeeping. (`kvplug.vllm.version` pins the vLLM versions this
+        copy is checked against.)"""
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        taken: list[KVCacheBlock] = self.free_block_queue.popleft_n(num_blocks)
+        if self._reuse_watchers:
+            self._notify_reuse(taken)
+        caching, collector = self.enable_caching, self.metrics_collector
+        hash_map, extra_hashes = self.cached_block_hash_to_block, self.cached_block_hashes_by_block
+        events = self.enable_kv_cache_events
+        evicted, evictions, counting = self._evicted, 0, self.counts_handed_out
+        for block in taken:
+            if caching:
+                if collector:
+                    collector.on_block_evicted(block)
+                key = block._block_hash
+                if key is not None:
+                    block_id = block.block_id
+                    removed = [key] if hash_map.pop(key, block_id) is not None else []
+                    if extra_hashes:
+                        for other in extra_hashes.pop(block_id, ()):
+                            if hash_map.pop(other, block_id) is not None:
+                                removed.append(other)
+                    block._block_hash = None  # block.reset_hash()
+                    block._block_hash_num_tokens = None
+                    if events and removed:
+                        self._emit_block_removed_events(removed)
+                    if counting:  # a tracked pool counted its victims as it chose them
+                        evicted[key] = None
+                        evictions += 1
+            assert block.ref_cnt == 0
+            block.ref_cnt += 1
+            if collector:
+                collector.on_block_allocated(block)
+        if evictions:
+            self._num_keys -= evictions
+            self.stats.evictions += evictions
+            while len(evicted) > self.num_gpu_blocks:
+                evicted.popitem(last=False)
+        return taken
 
     def reset_prefix_cache(self) -> bool:
         if not super().reset_prefix_cache():
@@ -411,57 +457,16 @@ class ReleaseOrderPool(KVPlugBlockPool):
     checks them against tracked lru, operation by operation). `use_policy` makes a pool
     this class for `LRUPolicy`, and a `KVPlugBlockPool` again for any other policy.
 
-    `get_new_blocks` is vLLM 0.32's own, with the eviction counted in its loop: a wrapper
-    of `_maybe_evict_cached_block` would cost a call for every block handed out.
-    (`kvplug.vllm.version` pins the vLLM versions this copy is checked against.)
+    Its evictions are counted as `get_new_blocks` hands the blocks out
+    (`counts_handed_out`): a wrapper of `_maybe_evict_cached_block` would cost a call for
+    every block.
     """
+
+    counts_handed_out = True
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         self.stats.block_hits += sum(1 for block in blocks if block._block_hash is not None)
         BlockPool.touch(self, blocks)
-
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """vLLM's `get_new_blocks`, with `_maybe_evict_cached_block` and
-        `_remove_cached_block_hashes` inlined for the blocks handed out: the same effects
-        (hash map, block hashes, collector calls, KV events) in fewer Python calls, which
-        pays for counting the evictions."""
-        if num_blocks > self.get_num_free_blocks():
-            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        taken: list[KVCacheBlock] = self.free_block_queue.popleft_n(num_blocks)
-        if self._reuse_watchers:
-            self._notify_reuse(taken)
-        caching, collector = self.enable_caching, self.metrics_collector
-        hash_map, extra_hashes = self.cached_block_hash_to_block, self.cached_block_hashes_by_block
-        events = self.enable_kv_cache_events
-        evicted, evictions = self._evicted, 0
-        for block in taken:
-            if caching:
-                if collector:
-                    collector.on_block_evicted(block)
-                key = block._block_hash
-                if key is not None:
-                    block_id = block.block_id
-                    removed = [key] if hash_map.pop(key, block_id) is not None else []
-                    if extra_hashes:
-                        for other in extra_hashes.pop(block_id, ()):
-                            if hash_map.pop(other, block_id) is not None:
-                                removed.append(other)
-                    block._block_hash = None  # block.reset_hash()
-                    block._block_hash_num_tokens = None
-                    if events and removed:
-                        self._emit_block_removed_events(removed)
-                    evicted[key] = None
-                    evictions += 1
-            assert block.ref_cnt == 0
-            block.ref_cnt += 1
-            if collector:
-                collector.on_block_allocated(block)
-        if evictions:
-            self._num_keys -= evictions
-            self.stats.evictions += evictions
-            while len(evicted) > self.num_gpu_blocks:
-                evicted.popitem(last=False)
-        return taken
 
     def cache_full_blocks(
         self,
