@@ -38,6 +38,7 @@ from kvplug.serving.stats import (
     combine,
     percentile,
     request_compute_saved,
+    slowest_requests,
     spread,
     summarize,
 )
@@ -175,6 +176,20 @@ def _result(conv: int, prompt: int, cached: int, ttft: float, ok: bool = True) -
     return RequestResult(conv, 0, ok=ok, error="" if ok else "HTTP 500: x",
                          prompt_tokens=prompt, cached_tokens=cached,
                          completion_tokens=10, ttft_s=ttft)  # fmt: skip
+
+
+def test_summary_names_the_slowest_requests() -> None:
+    """The JSON keeps what a TTFT p99 is made of: the slowest requests, slowest first, with
+    when each was sent (after the first) and how much of it was cached; failures never."""
+    results = [_result(i, 100, 32 * (i % 2), 0.01 * (i + 1)) for i in range(10)]
+    for i, result in enumerate(results):
+        result.sent_at = 50.0 + i
+    results.append(_result(10, 100, 0, 9.0, ok=False))
+    slowest = summarize("arm", results, 2.0, SPEC).slowest
+    assert [row["conversation"] for row in slowest] == [9, 8, 7, 6, 5, 4, 3, 2]
+    assert slowest[0] == {"conversation": 9, "turn": 0, "sent_s": 9.0, "ttft_ms": 100.0,
+                          "prompt_tokens": 100, "cached_tokens": 32}  # fmt: skip
+    assert slowest_requests([]) == []
 
 
 def test_summary_ratios_and_saved_compute() -> None:

@@ -284,25 +284,8 @@ class VLLMHybridArm(CacheArm):
         return len(self.manager.block_pool.cached_block_hash_to_block)
 
     def _prefill_chunks(self, request: Request, start: int, count: int) -> list[int]:
-        """The scheduler steps that compute `count` units after `start`: one, or, with
-        Mamba in align mode, the chunks `Scheduler._mamba_block_aligned_split` cuts."""
-        if not count:
-            return []
-        if self._split_scheduler is None:
-            return [count]
-        from vllm.v1.core.sched.scheduler import Scheduler
-
-        chunks = []
-        while count:
-            # The split reads the start as num_computed_tokens + local hits.
-            step = Scheduler._mamba_block_aligned_split(
-                self._split_scheduler, request, count, start, 0
-            )
-            assert step > 0, "vLLM's Mamba split left a prefill chunk empty"
-            chunks.append(step)
-            start += step
-            count -= step
-        return chunks
+        """The scheduler steps that compute `count` units after `start`."""
+        return prefill_chunks(self._split_scheduler, request, start, count)
 
     def _record_hits(self, hit_blocks: KVCacheBlocks) -> None:
         from vllm.v1.core.kv_cache_utils import (
@@ -333,6 +316,29 @@ class VLLMHybridArm(CacheArm):
                     self._evictions += 1
                     # vLLM may cache two blocks under one hash; the hits are per hash.
                     self._churn += self._hits.pop((event.group_idx, key), 0) == 0
+
+
+def prefill_chunks(
+    split_scheduler: SimpleNamespace | None, request: Request, start: int, count: int
+) -> list[int]:
+    """The scheduler steps that compute `count` units of `request` after `start`: one, or,
+    with Mamba in align mode (a `split_scheduler` from `_split_scheduler`), the chunks
+    vLLM's `Scheduler._mamba_block_aligned_split` cuts."""
+    if not count:
+        return []
+    if split_scheduler is None:
+        return [count]
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    chunks = []
+    while count:
+        # The split reads the start as num_computed_tokens + local hits.
+        step = Scheduler._mamba_block_aligned_split(split_scheduler, request, count, start, 0)
+        assert step > 0, "vLLM's Mamba split left a prefill chunk empty"
+        chunks.append(step)
+        start += step
+        count -= step
+    return chunks
 
 
 def _split_scheduler() -> SimpleNamespace:

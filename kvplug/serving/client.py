@@ -34,6 +34,7 @@ class RequestResult:
     ttft_s: float = 0.0
     latency_s: float = 0.0
     text: str = ""
+    sent_at: float = 0.0  # time.perf_counter() when the request was sent
 
 
 @dataclass
@@ -81,6 +82,7 @@ class StreamState:
 
     def result(self, conversation: int, turn: int, now: float) -> RequestResult:
         out = RequestResult(conversation, turn, latency_s=now - self.started)
+        out.sent_at = self.started
         out.text = "".join(self.parts)
         if self.error:
             out.error = self.error

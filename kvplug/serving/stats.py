@@ -61,6 +61,9 @@ class ArmSummary:
     log_path: str = ""
     server_args: list[str] = field(default_factory=list)
     runs: list[ArmSummary] = field(default_factory=list)  # each run's, when repeated
+    # the requests with the longest TTFT, slowest first (what the p99 is made of): when
+    # each was sent (seconds after the first), its TTFT, prompt and cached tokens
+    slowest: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def server_prefix_hit_ratio(self) -> float | None:
@@ -116,6 +119,7 @@ def summarize(
         prefill_compute_saved=ratio(saved_flops, total_flops),
         mean_request_compute_saved=ratio(sum(per_request), len(per_request)),
         errors=list(dict.fromkeys(r.error for r in results if r.error))[:5],
+        slowest=slowest_requests(ok),
     )
     if metrics is not None:
         summary.server_prefix_cache_queries = metrics.get(counters.queries)
@@ -125,6 +129,26 @@ def summarize(
         summary.server_preemptions = metrics.get(counters.preemptions)
         summary.kvplug_metrics = metrics.kvplug()
     return summary
+
+
+def slowest_requests(results: Sequence[RequestResult], count: int = 8) -> list[dict[str, float]]:
+    """The `count` requests with the longest TTFT, slowest first: the requests a TTFT p99
+    is made of, with when each was sent and how much of its prompt was cached."""
+    if not results:
+        return []
+    first = min(r.sent_at for r in results)
+    slow = sorted(results, key=lambda r: r.ttft_s, reverse=True)[:count]
+    return [
+        {
+            "conversation": r.conversation,
+            "turn": r.turn,
+            "sent_s": round(r.sent_at - first, 3),
+            "ttft_ms": round(1000 * r.ttft_s, 1),
+            "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens,
+        }
+        for r in slow
+    ]
 
 
 # Fields `combine` takes the median of; the rest come from the first run that ran.

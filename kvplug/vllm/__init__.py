@@ -19,12 +19,13 @@ blocks at its position with it, since no junction can use them any more.
 |---|---|
 | `scheduler` | the `Scheduler` factory, kvplug's config, the namespace salt, statistics |
 | `kv_cache_manager` | the one construction site: vLLM's manager over kvplug's pool; group kinds |
-| `block_pool` | `KVPlugBlockPool` (vLLM's `BlockPool`), `CachedBlock` (the eviction core's node) |
+| `block_pool` | `KVPlugBlockPool` (vLLM's `BlockPool`), `ReleaseOrderPool` (lru), `CachedBlock` |
 | `free_queue` | `PolicyFreeQueue`: vLLM's free-queue interface, fresh blocks then victims |
 | `stats` | `PoolStats`, metrics snapshots and the Prometheus collector |
 | `plugin` | the ``vllm.general_plugins`` entry point |
 | `version` | the supported vLLM range and its check |
 | `bench` | ``kvplug bench vllm-step``: the scheduler step, kvplug's pool against stock |
+| `manager_bench` | ``kvplug bench vllm-manager``: vLLM's `KVCacheManager` alone, the same |
 """
 
 from __future__ import annotations

@@ -53,7 +53,6 @@ import vllm
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request, RequestStatus
 
@@ -68,7 +67,7 @@ from kvplug.replay.hybrid import capacity_bytes_for
 from kvplug.replay.loop import Job, make_jobs
 from kvplug.replay.runner import arm_policy
 from kvplug.replay.trace import Trace
-from kvplug.replay.vllm_hybrid import _split_scheduler, vllm_group_spec
+from kvplug.replay.vllm_hybrid import _split_scheduler, prefill_chunks, vllm_group_spec
 from kvplug.replay.vllm_stock import _MAX_MODEL_LEN, HASH_ALGORITHM, build_manager
 from kvplug.vllm.bench import GCTimer, _percentile_ms
 from kvplug.vllm.block_pool import KVPlugBlockPool
@@ -259,7 +258,7 @@ class ManagerArm:
         hit_blocks, hits, boundary = manager.get_computed_blocks(request)
         lookup = clock.stop()
         request.shared_prefix_boundary = boundary
-        chunks = self._prefill_chunks(request, hits, len(job.prompt) - hits)
+        chunks = prefill_chunks(self.split_scheduler, request, hits, len(job.prompt) - hits) or [0]
         reserve = sum(n * self.attention_groups + self.mamba_groups for n in chunks[1:])
         clock.start()
         allocated = manager.allocate_slots(
@@ -300,22 +299,6 @@ class ManagerArm:
             self.prompt_tokens += job.input_length
             self.hit_tokens += self.hits[-1] * self.block_tokens
             self.rejected += allocated is None
-
-    def _prefill_chunks(self, request: Request, start: int, count: int) -> list[int]:
-        """The scheduler steps computing `count` units after `start`: one, or the chunks
-        vLLM's Mamba split cuts (as `VLLMHybridArm._prefill_chunks`)."""
-        if self.split_scheduler is None:
-            return [count]
-        chunks = []
-        while count:
-            step = Scheduler._mamba_block_aligned_split(
-                self.split_scheduler, request, count, start, 0
-            )
-            assert step > 0, "vLLM's Mamba split left a prefill chunk empty"
-            chunks.append(step)
-            start += step
-            count -= step
-        return chunks
 
     def fresh_blocks(self) -> int:
         """Free blocks that never held a hash: allocations take these before evicting."""
