@@ -487,15 +487,20 @@ class ReleaseOrderPool(KVPlugBlockPool):
             self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
             kv_cache_group_id, block_mask,
         )  # fmt: skip
-        evicted, cached, churn = self._evicted, 0, 0
-        for i, block in enumerate(new):
+        evicted = self._evicted
+        if before is None:
+            keys = [key for b in new if (key := b._block_hash) is not None]
+            self._num_keys += len(keys)
+            pop = evicted.pop
+            # a key popped from the recent victims is cached again after an eviction
+            self.stats.churn += sum(1 for key in keys if pop(key, 0) is None)
+            return
+        cached = churn = 0
+        for block, old in zip(new, before, strict=True):
             key = block._block_hash
-            if key is None:
-                continue
-            old = None if before is None else before[i]
-            if key != old:
+            if key is not None and key != old:
                 cached += old is None
-                if evicted.pop(key, 0) is None:  # cached again after an eviction
+                if evicted.pop(key, 0) is None:
                     churn += 1
         self._num_keys += cached
         self.stats.churn += churn
