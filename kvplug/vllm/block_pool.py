@@ -105,11 +105,11 @@ class KVPlugBlockPool(BlockPool):
     statistics are attached by `kvplug.vllm.kv_cache_manager.attach_policy` through
     `use_policy` before any request arrives.
 
-    Per-block state lives in lists indexed by block id: ``_keys[i]`` is the hash the pool
-    accounts for on block ``i`` (None: none; otherwise the block's current hash), and,
-    when `tracked`, ``_slots[i]`` is its `CachedBlock`, live exactly while ``_keys[i]`` is
-    set. Hot paths read vLLM's ``KVCacheBlock._block_hash`` slot directly: its
-    ``block_hash`` property costs a Python call per read.
+    A tracked pool keeps per-block state in lists indexed by block id: ``_keys[i]`` is the
+    hash the pool accounts for on block ``i`` (None: none; otherwise the block's current
+    hash), and ``_slots[i]`` is its `CachedBlock`, live exactly while ``_keys[i]`` is set
+    (a `ReleaseOrderPool` keeps neither). Hot paths read vLLM's ``KVCacheBlock._block_hash``
+    slot directly: its ``block_hash`` property costs a Python call per read.
     """
 
     eviction: EvictionCore[CachedBlock]
@@ -121,8 +121,9 @@ class KVPlugBlockPool(BlockPool):
         super().__init__(*args, **kwargs)
         # vLLM's constructor built its own queue and took the null block from it;
         # `use_policy` sets the queue this pool's policy needs.
-        self._slots = [CachedBlock(block) for block in self.blocks]  # by block id
-        self._keys: list[Any] = [None] * len(self.blocks)  # by block id
+        # per-block state of a tracked pool, made by `use_policy` (an lru pool keeps none)
+        self._slots: list[CachedBlock] = []  # by block id
+        self._keys: list[Any] = []  # by block id
         self._num_keys = 0  # blocks whose _keys entry is set
         self._serials = count()
         self.releasing = Release()
@@ -167,6 +168,9 @@ class KVPlugBlockPool(BlockPool):
         if self.tracked:
             self.__class__ = KVPlugBlockPool
             self.free_block_queue = PolicyFreeQueue(self, free)
+            if not self._slots:
+                self._slots = [CachedBlock(block) for block in self.blocks]
+                self._keys = [None] * len(self.blocks)
         else:  # vLLM's own queue and order; `ReleaseOrderPool` only counts
             self.__class__ = ReleaseOrderPool
             self.free_block_queue = FreeKVCacheBlockQueue(free)
