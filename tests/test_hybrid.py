@@ -237,6 +237,35 @@ def test_unknown_hybrid_policy_names_the_accepted():
         check_hybrid_arms(["nope"])
 
 
+def test_cost_ghost_history_is_sized_in_ranked_records(monkeypatch):
+    """Evicted junctions are remembered for `ghost_ratio` times the records ranked, not
+    for a multiple of the blocks the bytes would buy, and a return still credits."""
+    import kvplug.hybrid.audit
+    import kvplug.hybrid.policy
+
+    for module in (kvplug.hybrid.policy, kvplug.hybrid.audit):
+        monkeypatch.setattr(module, "GHOST_FLOOR", 1)
+    cache = _cache(GEMMA, 120, policy="cost")
+    policy = cache.policy
+    for req in range(60):  # distinct 4-unit prompts: each leaves one junction
+        cache.admit(req, [req * 10 + i for i in range(4)], 4, cacheable=4)
+        cache.finish(req)
+        cache.check_invariants()
+    ranked = len(policy._rank)
+    assert 0 < len(policy._ghosts) <= policy.ghost_ratio * (ranked + 1)
+    assert len(policy._ghosts) < 60 - ranked  # the oldest evictions are forgotten
+    keys = {}  # a prompt's junction key, as the tree makes it
+    for req in range(60):
+        key = 0
+        for unit in (req * 10 + i for i in range(4)):
+            key = hash((key, unit))
+        keys[key] = req
+    newest = keys[next(reversed(policy._ghosts))]  # the latest eviction
+    reused = sum(policy._reused.values())
+    cache.admit(99, [newest * 10 + i for i in range(4)], 4, cacheable=4)
+    assert sum(policy._reused.values()) == reused + 1  # its trial closed as reused
+
+
 _OPS = st.lists(
     st.tuples(
         st.sampled_from(["admit", "grow", "finish"]),

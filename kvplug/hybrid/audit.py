@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvplug.core.groups import GroupKind
+from kvplug.hybrid.policy import GHOST_FLOOR, JunctionCostPolicy
 
 if TYPE_CHECKING:
     from kvplug.hybrid.cache import HybridCache
@@ -55,3 +56,7 @@ def check_invariants(cache: HybridCache) -> None:
     assert cached == cache.cached_by_kind, "bytes by kind off"
     assert cache.used <= cache.capacity, "over capacity"
     assert candidates == len(cache.policy), "policy candidates differ from records"
+    policy = cache.policy
+    if isinstance(policy, JunctionCostPolicy):  # trimmed at each removal, to before it
+        limit = max(GHOST_FLOOR, policy.ghost_ratio * (len(policy._rank) + 1))
+        assert len(policy._ghosts) <= limit, "ghost history outgrew the ranked records"
