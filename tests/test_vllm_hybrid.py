@@ -9,6 +9,7 @@ out of every hit).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvplug[vllm]')")
 
+from kvplug.core.eviction import live_parent  # noqa: E402
 from kvplug.core.groups import GroupKind  # noqa: E402
 from kvplug.hybrid.spec import HYBRID_PRESETS  # noqa: E402
 from kvplug.policies import make_policy  # noqa: E402
@@ -307,8 +309,28 @@ def test_an_unmapped_group_spec_falls_back_with_one_warning(caplog):
     assert "ChunkedThing" in caplog.text and "SlidingWindowSpec" in caplog.text
 
 
+def without_anchor_rules(arm: VLLMHybridArm) -> None:
+    """Give the arm's pool its policy again without the groups' windows: no anchor rules
+    (every sliding-window block ranked by the policy), as before they existed."""
+    from kvplug.vllm.stats import PoolStats
+
+    pool = arm.manager.block_pool
+    pool.use_policy(make_policy("cost"), PoolStats(), pool.tree_groups, pool.group_kinds)
+    assert not pool.windows
+
+
+def sliding_window_records(pool) -> list:
+    suffixes = {g.to_bytes(4, "big") for g in range(5)}
+    return [
+        pool._slots[block.block_id]
+        for block in pool.blocks
+        if (key := pool._keys[block.block_id]) is not None and key[-4:] in suffixes
+    ]
+
+
 def test_a_victim_retires_its_position_in_the_other_sliding_window_groups():
     arm = make_arm(GEMMA, 61, "cost")
+    without_anchor_rules(arm)
     assert arm.admit(0, [*A, F], 10) == 0
     arm.finish(0)  # 60 blocks of A cached, none held
     pool = arm.manager.block_pool
@@ -367,3 +389,87 @@ def test_kvplug_pool_invariants_with_several_groups(policy, spec, ops, pages):
         arm.finish(req)
     pool.check_invariants()
     assert arm.stats().evictions == pool.stats.evictions
+
+
+def test_sliding_window_blocks_before_anchors_are_marked():
+    arm = make_arm(GEMMA, 200, "cost")
+    pool = arm.manager.block_pool
+    assert pool.windows == dict.fromkeys(range(5), 2)
+    assert arm.admit(0, [*A, F], 10) == 0
+    arm.grow(0, [900, 901, 902])
+    arm.finish(0)
+    # the prompt (11 units with the sentinel) ends at 11, and a resend is served at most
+    # at 10; the request ends at 13 (the last unit, 902, is never computed)
+    anchored = {(r.depth, r.key[-4:]) for r in sliding_window_records(pool) if r.anchored}
+    assert {depth for depth, _ in anchored} == {8, 9, 10, 11, 12}
+    assert len(anchored) == 5 * 5
+    # served positions: a hit at 5 touches the window before it, 3 and 4 (request 1's
+    # own prompt ends at 7 (its 700 at 5 is anchored, A[5] is not; F + 1 is not computed)
+    assert arm.admit(1, [*A[:5], 700, F + 1], 6) == 5
+    arm.finish(1)
+    anchored = Counter(r.depth for r in sliding_window_records(pool) if r.anchored)
+    assert anchored == dict.fromkeys([3, 4, 5, 8, 9, 10, 11, 12], 5)
+    pool.check_invariants()
+
+
+def test_unanchored_sliding_window_blocks_are_evicted_before_the_policys_choice():
+    arm = make_arm(GEMMA, 61, "cost")
+    assert arm.admit(0, [*A, F], 10) == 0
+    arm.finish(0)  # 60 blocks of A cached, none held, 1 fresh
+    pool = arm.manager.block_pool
+    unanchored = [r for r in sliding_window_records(pool) if not r.anchored]
+    assert sorted({r.depth for r in unanchored}) == list(range(8))
+    assert all(r.evictable for r in unanchored)
+    # they are not the policy's to rank: its candidates are the others' leaves
+    choice = pool.eviction.next_victim()
+    assert choice is not None and choice not in unanchored
+    assert len(pool.policy) == sum(
+        r.evictable and r.cached_children == 0
+        for r in pool._slots
+        if r.serial >= 0 and r not in unanchored
+    )
+    kept = [r for r in pool._slots if r.serial >= 0 and r not in unanchored]
+    serials = {id(r): r.serial for r in pool._slots}
+    # a one-unit prompt takes 6 blocks, the pool has 1 fresh: 5 go, all unanchored
+    # sliding-window blocks, ahead of the policy's choice and of every anchored window
+    assert arm.admit(1, [500, F + 1], 1) == 0
+    assert pool.stats.evictions == 5 and pool.stats.retired == 0
+    assert all(r.serial == serials[id(r)] for r in kept)
+    assert sum(r.serial != serials[id(r)] for r in unanchored) == 5
+    assert arm.stats().evictions == pool.stats.evictions  # KV events saw every eviction
+    pool.check_invariants()
+    arm.finish(1)
+    pool.check_invariants()
+
+
+def test_recomputed_full_attention_blocks_stay_leaves_and_go_first():
+    """A request served a shorter junction than its full-attention hit recomputes cached
+    blocks (vLLM caches the copies too): its later blocks hang below the first copies,
+    so its own copies are leaves, evicted first once released."""
+    arm = make_arm(GEMMA, 61, "cost")
+    pool = arm.manager.block_pool
+    assert arm.admit(0, [*A, F], 10) == 0
+    arm.finish(0)
+    assert arm.admit(1, [500, F + 1], 1) == 0  # evicts unanchored windows of A
+    arm.finish(1)
+    assert arm.admit(2, [*A[:7], 800, F + 2], 8) == 3  # full attention alone: 7
+    full = (5).to_bytes(4, "big")
+    records = [
+        pool._slots[block.block_id]
+        for block in pool.blocks
+        if (key := pool._keys[block.block_id]) is not None and key[-4:] == full
+    ]
+    lookup = pool.cached_block_hash_to_block.get_one_block
+    firsts = {r.depth: r for r in records if lookup(r.key) is r.block}
+    copies = [r for r in records if lookup(r.key) is not r.block]
+    assert sorted(r.depth for r in copies) == [3, 4, 5, 6]
+    assert all(r.cached_children == 0 for r in copies)
+    own = next(r for r in records if r.depth == 7 and r is not firsts[7])  # its 800
+    assert live_parent(own) is firsts[6]
+    assert firsts[6].cached_children == 2
+    pool.check_invariants()
+    arm.finish(2)
+    queued = {id(r) for r, serial in pool._first if r.serial == serial}
+    assert all(id(r) in queued for r in copies)
+    assert not any(id(r) in queued for r in firsts.values())
+    pool.check_invariants()

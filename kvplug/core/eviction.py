@@ -18,7 +18,8 @@ A *node* is one cached block (a `TreeNode`). Per node the core keeps:
 
 Invariants (the adapters' ``check_invariants`` audit them):
 
-- the policy's candidates are exactly the evictable nodes with no cached children, so
+- the policy's candidates are exactly the evictable nodes with no cached children (but
+  those released unranked, which their adapter evicts itself: `release_unranked`), so
   evicting only candidates keeps every cached prefix whole (a parent outlives its
   children) and a shared root waits for the leaves below it;
 - `num_evictable` counts the evictable nodes, candidates or not; every one of them can be
@@ -97,6 +98,14 @@ class EvictionCore(Generic[N]):
             node.evictable = True
             if node.cached_children == 0:
                 add_candidate(node)
+        self.num_evictable += len(nodes)
+
+    def release_unranked(self, nodes: Sequence[N]) -> None:
+        """Nothing holds `nodes` (blocks without cached children) any more, and their
+        adapter evicts them itself, ahead of the policy's choice: evictable, but neither
+        ranked nor the policy's candidates (so no policy learns from them)."""
+        for node in nodes:
+            node.evictable = True
         self.num_evictable += len(nodes)
 
     def reclaim(self, node: N) -> None:

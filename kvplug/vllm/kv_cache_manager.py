@@ -19,6 +19,7 @@ from typing import Any
 
 from vllm.v1.core import kv_cache_coordinator
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import BlockHashListWithBlockSize
 from vllm.v1.core.sched import scheduler as vllm_scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
@@ -53,12 +54,44 @@ class KVPlugKVCacheManager(KVCacheManager):
         result = super().get_computed_blocks(request)  # (blocks, hit tokens, ...)
         if request.num_output_tokens == 0:  # its first prefill, not a resume
             request.kvplug_matched_tokens = result[1]
+            if self.block_pool.tracked and self.block_pool.windows:
+                branch = self._branch_point(request)
+                request.kvplug_branch = branch if branch > result[1] else 0
         return result
 
+    def _branch_point(self, request: Any) -> int:
+        """Prompt tokens the first full-attention group has cached, from the first block:
+        where `request` leaves the cached tree, a position later requests may resume at."""
+        pool = self.block_pool
+        for manager in self.coordinator.single_type_managers:
+            if pool.group_kinds.get(manager.kv_cache_group_id) is GroupKind.FULL:
+                break
+        else:
+            return 0
+        block_size = manager.block_size
+        hashes = request.block_hashes
+        if block_size != pool.hash_block_size:
+            hashes = BlockHashListWithBlockSize(hashes, pool.hash_block_size, block_size)
+        suffix = manager.kv_cache_group_id.to_bytes(4, "big")
+        lookup = pool.cached_block_hash_to_block.get_one_block
+        cached = 0
+        for i in range(request.num_prompt_tokens // block_size):
+            if lookup(hashes[i] + suffix) is None:
+                break
+            cached += 1
+        return cached * block_size
+
     def free(self, request: Any) -> None:
-        if not self.block_pool.tracked:  # lru: nothing is ranked, so nothing to tell
+        pool = self.block_pool
+        if not pool.tracked:  # lru: nothing is ranked, so nothing to tell
             super().free(request)
             return
+        for group, window in pool.windows.items():  # the request's end is an anchor
+            manager = self.coordinator.single_type_managers[group]
+            blocks = manager.req_to_blocks.get(request.request_id)
+            if blocks:
+                end = manager.num_cached_block.get(request.request_id, 0)
+                pool.anchor(blocks[max(end - window, 0) : end])
         self.block_pool.releasing = Release(
             output_tokens=request.num_output_tokens,
             request_hit=matched_tokens(request) > 0,
@@ -112,13 +145,28 @@ def group_kinds(kv_cache_config: Any) -> dict[int, GroupKind]:
     return kinds if len(set(kinds.values())) > 1 else {}
 
 
+def windows(kv_cache_config: Any) -> dict[int, int]:
+    """Each sliding-window group's window in its blocks: the blocks a hit needs before it
+    (vLLM's ``cdiv(sliding_window - 1, block_size)``)."""
+    found = {}
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if type(spec) is SlidingWindowSpec:
+            found[i] = -(-(spec.sliding_window - 1) // spec.block_size)
+    return found
+
+
 def attach_policy(
     manager: KVPlugKVCacheManager, policy: EvictionPolicy, kv_cache_config: Any
 ) -> PoolStats:
     """Give the manager's pool `policy`; returns the statistics the pool counts into."""
     stats = PoolStats()
     manager.block_pool.use_policy(
-        policy, stats, tree_groups(kv_cache_config), group_kinds(kv_cache_config)
+        policy,
+        stats,
+        tree_groups(kv_cache_config),
+        group_kinds(kv_cache_config),
+        windows(kv_cache_config),
     )
     return stats
 
