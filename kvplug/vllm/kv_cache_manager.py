@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from vllm.utils.math_utils import cdiv
 from vllm.v1.core import kv_cache_coordinator
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import BlockHashListWithBlockSize
@@ -152,7 +153,7 @@ def windows(kv_cache_config: Any) -> dict[int, int]:
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         if type(spec) is SlidingWindowSpec:
-            found[i] = -(-(spec.sliding_window - 1) // spec.block_size)
+            found[i] = cdiv(spec.sliding_window - 1, spec.block_size)
     return found
 
 
