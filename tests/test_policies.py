@@ -5,10 +5,12 @@ from __future__ import annotations
 from importlib.metadata import EntryPoint
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_cache_properties import CacheMachine
 
 from kvplug.core.cache import KVCache
+from kvplug.core.eviction import EvictionCore
 from kvplug.errors import UnknownPolicyError
 from kvplug.policies import available_policies, make_policy, policy_class
 from kvplug.policies.base import EvictionPolicy
@@ -201,3 +203,81 @@ TestInvariantsUnderGDSF = _machine_under("gdsf")
 TestInvariantsUnderCost = _machine_under("cost")
 TestInvariantsUnderLearned = _machine_under("learned")
 TestInvariantsUnderBelady = _machine_under("belady")
+
+
+class _Node:
+    """A bare `TreeNode` for driving an `EvictionCore` directly."""
+
+    def __init__(self, serial: int, depth: int, parent: _Node | None) -> None:
+        self.serial, self.key, self.depth = serial, f"k{serial}".encode(), depth
+        self.hits = self.from_end = self.request_output = 0
+        self.request_hit = False
+        self.up = parent
+
+
+_CORE_OPS = st.lists(
+    st.tuples(st.sampled_from(["grow", "release", "hit", "evict"]), st.integers(0, 10**6)),
+    max_size=120,
+)
+
+
+@pytest.mark.parametrize("name", ["cost", "learned", "gdsf", "lfu", "lru"])
+@given(ops=_CORE_OPS)
+@settings(deadline=None)
+def test_batched_paths_decide_as_one_at_a_time(name: str, ops) -> None:
+    """`EvictionCore.pop_victim` (the vLLM pool's eviction path) names and removes the
+    victims `next_victim` and `remove` would, and a batched release (`release_n`, which
+    `cost` ranks in one loop) ranks as releasing one node at a time, in order: two cores
+    driven by the same operations agree on every victim and every rank."""
+    params = {"tokens_per_block": 16} if name in ("cost", "learned", "gdsf") else {}
+    cores = [EvictionCore(make_policy(name, **params)) for _ in range(2)]
+    for core in cores:
+        core.policy.bind(16, 64)
+    nodes: list[list[_Node]] = [[], []]  # per core, every node made (same serials)
+    held: list[int] = []  # indices of held, cached nodes (one request's chain each)
+    serials = iter(range(10**9))
+    for op, pick in ops:
+        if op == "grow":  # a request caches a chain of 1-4 blocks below a random node
+            cached = [i for i, n in enumerate(nodes[0]) if n.serial >= 0]
+            below = cached[pick % len(cached)] if cached and pick % 3 else None
+            chain = []
+            for _ in range(1 + pick % 4):
+                serial = next(serials)
+                for core, made in zip(cores, nodes, strict=True):
+                    parent = made[below] if below is not None else None
+                    if parent is not None and (parent.serial < 0 or parent.evictable):
+                        parent = None
+                    node = _Node(serial, 0 if parent is None else parent.depth + 1, parent)
+                    core.insert(node, parent)
+                    made.append(node)
+                below = len(nodes[0]) - 1
+                chain.append(below)
+            held.extend(chain)
+        elif op == "release" and held:
+            count = 1 + pick % min(len(held), 5)
+            chain, held[:] = held[-count:][::-1], held[:-count]  # tail first, as vLLM frees
+            for from_end, i in enumerate(chain):
+                for made in nodes:
+                    made[i].from_end, made[i].request_output = from_end, pick % 40
+            cores[0].release_n([nodes[0][i] for i in chain])
+            for i in chain:
+                cores[1].release(nodes[1][i])
+        elif op == "hit":
+            evictable = [i for i, n in enumerate(nodes[0]) if n.serial >= 0 and n.evictable]
+            if evictable:
+                i = evictable[pick % len(evictable)]
+                for core, made in zip(cores, nodes, strict=True):
+                    core.reclaim(made[i])
+                    core.hit(made[i])
+                held.append(i)
+        elif op == "evict":
+            expected = cores[1].next_victim()
+            victim = cores[0].pop_victim()
+            assert (victim is None) == (expected is None)
+            if victim is not None:
+                assert victim.serial == expected.serial
+                cores[1].remove(expected)
+                victim.serial = expected.serial = -1
+        a, b = cores[0].policy, cores[1].policy
+        assert len(a) == len(b) and cores[0].num_evictable == cores[1].num_evictable
+        assert a._rank == b._rank  # every rank and release order agrees

@@ -93,11 +93,12 @@ class EvictionCore(Generic[N]):
         """`release` for each of `nodes`, in order (one request's blocks, freed together),
         with the policy ranking them in one call."""
         self.policy.release_n(nodes)
-        add_candidate = self.policy.add_candidate
+        leaves = []
         for node in nodes:
             node.evictable = True
             if node.cached_children == 0:
-                add_candidate(node)
+                leaves.append(node)
+        self.policy.add_candidates(leaves)
         self.num_evictable += len(nodes)
 
     def release_unranked(self, nodes: Sequence[N]) -> None:
@@ -136,6 +137,22 @@ class EvictionCore(Generic[N]):
             if parent.cached_children == 0 and parent.evictable:
                 self.policy.add_candidate(parent)
         self.policy.remove(node)
+
+    def pop_victim(self) -> N | None:
+        """The candidate the policy evicts first, removed (as `remove` would), or None:
+        `next_victim` and `remove` in one step, for an adapter that evicts it at once."""
+        node = self.policy.pop_first()
+        if node is None:
+            return None
+        node.evictable = False
+        self.num_evictable -= 1
+        parent = node.parent  # live_parent(node), inlined
+        if parent is not None and parent.serial == node.parent_serial:
+            parent.cached_children -= 1
+            if parent.cached_children == 0 and parent.evictable:
+                self.policy.add_candidate(parent)
+        self.policy.remove(node)
+        return node  # type: ignore[return-value]
 
     def split(self, upper: N, lower: N) -> None:
         """An engine that stores several blocks in one node (SGLang's radix tree) split

@@ -83,6 +83,18 @@ class EvictionPolicy(ABC):
         victims = self.choose_victims(1)
         return victims[0] if victims else None
 
+    def add_candidates(self, nodes: Sequence[CachedNode]) -> None:
+        """`add_candidate` for each of `nodes`."""
+        for node in nodes:
+            self.add_candidate(node)
+
+    def pop_first(self) -> CachedNode | None:
+        """`first_candidate`, no longer a candidate (the caller then removes it), or None."""
+        node = self.first_candidate()
+        if node is not None:
+            self.discard_candidate(node)
+        return node
+
     @abstractmethod
     def __len__(self) -> int:
         """The number of current candidates."""
@@ -126,6 +138,13 @@ class RankedPolicy(EvictionPolicy):
         self._nodes[serial] = node
         heappush(self._heap, self._rank[serial])
 
+    def add_candidates(self, nodes: Sequence[CachedNode]) -> None:
+        candidates, heap, ranks = self._nodes, self._heap, self._rank
+        for node in nodes:
+            serial = node.serial
+            candidates[serial] = node
+            heappush(heap, ranks[serial])
+
     def discard_candidate(self, node: CachedNode) -> None:
         if self._nodes.pop(node.serial, None) is not None and len(self._heap) > 64 + 2 * len(
             self._nodes
@@ -147,6 +166,17 @@ class RankedPolicy(EvictionPolicy):
                 self.chosen = serial
                 return node
             heappop(heap)
+        return None
+
+    def pop_first(self) -> CachedNode | None:
+        heap, nodes, ranks = self._heap, self._nodes, self._rank
+        while heap:
+            _, order, serial = heappop(heap)
+            node = nodes.get(serial)
+            if node is not None and ranks[serial][1] == order:  # current: see first_candidate
+                del nodes[serial]
+                self.chosen = serial
+                return node
         return None
 
     def choose_victims(self, n: int) -> list[CachedNode]:

@@ -33,6 +33,7 @@ the next victim and pushes out nothing better.
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvplug.policies.base import RankedPolicy
@@ -70,6 +71,9 @@ class CostPolicy(RankedPolicy):
         self._reused: dict[ReuseClass, int] = defaultdict(int)
         # code -> reuse_probability(its class), while no trial of it closed since
         self._probability: dict[int, float] = {}
+        # whether `rank` is this class's own (then `release_n` ranks a batch in one loop)
+        own = type(self)
+        self._own_rank = own.rank is CostPolicy.rank and own.credit is CostPolicy.credit
 
     def bind(self, block_size: int, num_blocks: int) -> None:
         self.value.bind(block_size)
@@ -90,37 +94,55 @@ class CostPolicy(RankedPolicy):
         return (0, min(node.from_end, 3), int(node.request_hit), output)
 
     def credit(self, node: CachedNode) -> float:
-        """GreedyDual's credit for `node`, opening its class's trial.
+        """GreedyDual's credit for `node`, opening its class's trial."""
+        return self._credits((node,))[0]
 
-        The hot path of every release: `classify`, `reuses` and `reuse_probability` are
-        inlined here and must stay in step with them. The class is computed as an int
-        code, one per class (reused: ``reuses << 8 | output``; never reused: ``(from_end
-        << 1 | request_hit) << 4 | output``, below 256), and its probability read from
-        the cache."""
-        serial, hits = node.serial, node.hits
-        reuses = hits + self._credit.get(serial, 0) if self._credit else hits
-        output = node.request_output.bit_length()
-        if output > 12:
-            output = 12
-        if reuses:
-            code = (reuses if reuses < 3 else 3) << 8 | output
-        else:
-            from_end = node.from_end
-            code = ((from_end if from_end < 3 else 3) << 1 | bool(node.request_hit)) << 4 | output
-        self._trial[serial] = code
-        probability = self._probability.get(code)
-        if probability is None:
-            cls = self._classes.get(code)
-            if cls is None:
-                cls = self._classes[code] = self.classify(node)
-            probability = self._probability[code] = self.reuse_probability(cls)
-        frequency = 1 + (hits if hits < 3 else 3)
+    def _credits(self, nodes: Sequence[CachedNode]) -> list[float]:
+        """`credit` for each of `nodes`, in order: the hot path of every release.
+
+        `classify`, `reuses` and `reuse_probability` are inlined here and must stay in
+        step with them. A class is computed as an int code, one per class (reused:
+        ``reuses << 8 | output``; never reused: ``(from_end << 1 | request_hit) << 4 |
+        output``, below 256), and its probability read from a cache."""
+        credit_of, trial, cached = self._credit, self._trial, self._probability
         by_depth = self.value.by_depth
-        value = by_depth[node.depth] if node.depth < len(by_depth) else self.value(node)
-        return frequency * probability * value
+        deepest = len(by_depth)
+        credits: list[float] = []
+        for node in nodes:
+            serial, hits = node.serial, node.hits
+            reuses = hits + credit_of.get(serial, 0) if credit_of else hits
+            output = node.request_output.bit_length()
+            if output > 12:
+                output = 12
+            if reuses:
+                code = (reuses if reuses < 3 else 3) << 8 | output
+            else:
+                from_end = node.from_end
+                code = ((from_end if from_end < 3 else 3) << 1 | bool(node.request_hit)) << 4
+                code |= output
+            trial[serial] = code
+            probability = cached.get(code)
+            if probability is None:
+                cls = self._classes.get(code)
+                if cls is None:
+                    cls = self._classes[code] = self.classify(node)
+                probability = cached[code] = self.reuse_probability(cls)
+            depth = node.depth
+            value = by_depth[depth] if depth < deepest else self.value(node)
+            credits.append((1 + (hits if hits < 3 else 3)) * probability * value)
+        return credits
 
     def rank(self, node: CachedNode) -> float:
         return self.inflation + self.credit(node)
+
+    def release_n(self, nodes: Sequence[CachedNode]) -> None:
+        if not self._own_rank:  # a subclass ranks differently: one node at a time
+            super().release_n(nodes)
+            return
+        ranks, releases, inflation = self._rank, self._releases, self.inflation
+        for node, credit in zip(nodes, self._credits(nodes), strict=True):
+            serial = node.serial
+            ranks[serial] = (inflation + credit, next(releases), serial)
 
     def insert(self, node: CachedNode) -> None:
         ghost = self._ghosts.pop(node.key, None)

@@ -400,9 +400,36 @@ class KVPlugBlockPool(BlockPool):
         """`block` left the queue's cached set without being evicted (a prefix hit)."""
         self.eviction.reclaim(self._slots[block.block_id])
 
-    def evict_next(self) -> KVCacheBlock:
+    def evict_n(self, n: int) -> list[KVCacheBlock]:
+        """`evict_next` `n` times (the queue holds that many cached blocks): the eviction
+        core's victims in order, forgotten. Without a hybrid model's rules, the core
+        removes each victim as it names it (`EvictionCore.pop_victim`)."""
+        if self.group_kinds:
+            taken: list[KVCacheBlock] = []
+            for _ in range(n):
+                taken.append(self.evict_next(taken))
+            return taken
+        pop_victim, keys = self.eviction.pop_victim, self._keys
+        victims: list[KVCacheBlock] = []
+        popped = 0
+        for _ in range(n):
+            record = pop_victim()
+            if record is None:  # unreachable while the child counts are exact
+                block = self.free_block_queue.any_cached(victims)
+                self._forget(block)
+            else:
+                block = record.block
+                record.serial = -1  # `_forget`, less the core's part, which is done
+                keys[block.block_id] = None
+                popped += 1
+            victims.append(block)
+        self._num_keys -= popped
+        return victims
+
+    def evict_next(self, taken: Sequence[KVCacheBlock] = ()) -> KVCacheBlock:
         """Forget the eviction core's next victim (its hash goes when vLLM hands the block
-        out) and return its block; the queue then calls `on_evicted`. Tracked only."""
+        out) and return its block, never one of `taken` (victims already chosen with it);
+        the queue then calls `on_evicted`. Tracked only."""
         retiring, is_candidate = self._retiring, self.eviction.is_candidate
         while retiring:
             record, serial, needed = retiring.popleft()
@@ -439,7 +466,7 @@ class KVPlugBlockPool(BlockPool):
                 if victim.key[-4:] in self._full_suffixes:
                     self._retire_dead_parent(victim)
         else:  # unreachable while the child counts are exact; never strand a free block
-            block = self.free_block_queue.any_cached()
+            block = self.free_block_queue.any_cached(taken)
         self._forget(block)
         return block
 

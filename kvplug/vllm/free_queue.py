@@ -120,8 +120,10 @@ class PolicyFreeQueue:
     def cached_blocks(self) -> list[KVCacheBlock]:
         return list(self._cached.values())
 
-    def any_cached(self) -> KVCacheBlock:
-        return next(iter(self._cached.values()))
+    def any_cached(self, taken: Sequence[KVCacheBlock] = ()) -> KVCacheBlock:
+        """A cached block not in `taken`."""
+        skip = {block.block_id for block in taken}
+        return next(b for i, b in self._cached.items() if i not in skip)
 
     def make_all_fresh(self) -> None:
         """Move every cached block to the fresh stack (their hashes are gone)."""
@@ -132,11 +134,9 @@ class PolicyFreeQueue:
     def _take_victims(self, n: int) -> list[KVCacheBlock]:
         """Evict `n` cached blocks (there are that many), the pool's choices in order."""
         cached, pool = self._cached, self.pool
-        victims: list[KVCacheBlock] = []
-        for _ in range(n):
-            block = pool.evict_next()
+        victims = pool.evict_n(n)
+        for block in victims:
             del cached[block.block_id]
-            victims.append(block)
         pool.on_evicted(victims)
         return victims
 
