@@ -20,7 +20,6 @@ from typing import Any
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core import kv_cache_coordinator
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import BlockHashListWithBlockSize
 from vllm.v1.core.sched import scheduler as vllm_scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
@@ -52,35 +51,15 @@ class KVPlugKVCacheManager(KVCacheManager):
     block_pool: KVPlugBlockPool
 
     def get_computed_blocks(self, request: Any) -> Any:
-        result = super().get_computed_blocks(request)  # (blocks, hit tokens, ...)
+        # (blocks, hit tokens, shared prefix boundary): with a sliding-window group, the
+        # boundary is the full-attention hit when it is longer than the junction (vLLM's
+        # "uncached common prefix"), else 0: where `request` leaves the cached tree, a
+        # position later requests may resume at (`kvplug_branch`, an anchor)
+        result = super().get_computed_blocks(request)
         if request.num_output_tokens == 0:  # its first prefill, not a resume
             request.kvplug_matched_tokens = result[1]
-            if self.block_pool.tracked and self.block_pool.windows:
-                branch = self._branch_point(request)
-                request.kvplug_branch = branch if branch > result[1] else 0
+            request.kvplug_branch = result[2]
         return result
-
-    def _branch_point(self, request: Any) -> int:
-        """Prompt tokens the first full-attention group has cached, from the first block:
-        where `request` leaves the cached tree, a position later requests may resume at."""
-        pool = self.block_pool
-        for manager in self.coordinator.single_type_managers:
-            if pool.group_kinds.get(manager.kv_cache_group_id) is GroupKind.FULL:
-                break
-        else:
-            return 0
-        block_size = manager.block_size
-        hashes = request.block_hashes
-        if block_size != pool.hash_block_size:
-            hashes = BlockHashListWithBlockSize(hashes, pool.hash_block_size, block_size)
-        suffix = manager.kv_cache_group_id.to_bytes(4, "big")
-        lookup = pool.cached_block_hash_to_block.get_one_block
-        cached = 0
-        for i in range(request.num_prompt_tokens // block_size):
-            if lookup(hashes[i] + suffix) is None:
-                break
-            cached += 1
-        return cached * block_size
 
     def free(self, request: Any) -> None:
         pool = self.block_pool
