@@ -51,6 +51,10 @@ class NamespaceConfig(BaseModel):
     model_revision: str = ""
     tenant: str = ""
     share_across_tenants: bool = False
+    # Salt default-tenant requests' block hashes in the KV events too. Off by default: a
+    # router that recomputes vLLM's hashes from the prompt (llm-d's precise prefix-cache
+    # scorer) then finds them; state itself never leaves the engine through events.
+    salt_kv_events: bool = False
 
 
 class KVPlugConfig(BaseModel):

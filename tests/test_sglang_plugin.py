@@ -312,3 +312,22 @@ def test_metrics_keep_the_vllm_names() -> None:
     assert 'kvplug_cached_blocks{engine="0",policy="cost"} 4.0' in text
     for field in HELP:
         assert f"kvplug_{field}" in text
+
+
+@pytest.mark.parametrize("salt_kv_events", [False, True])
+def test_kv_events_keep_sglang_keys_for_a_router_unless_salted(salt_kv_events: bool) -> None:
+    """With KV events on, a default-tenant request keeps SGLang's key (what a router that
+    recomputes keys from the prompt derives) unless ``namespace.salt_kv_events``; another
+    tenant is always salted."""
+    from types import SimpleNamespace
+
+    from kvplug.config import KVPlugConfig
+
+    config = KVPlugConfig.model_validate({"namespace": {"salt_kv_events": salt_kv_events}})
+    server_args = SimpleNamespace(model_path="m", tokenizer_path="t", dtype="bfloat16")
+    params = SimpleNamespace(enable_kv_cache_events=True)
+    namespace = RequestNamespace.for_server(config, server_args, params)
+    default, other = _request("d", [1, 2], None), _request("o", [1, 2], "acme")
+    assert namespace.apply(default) is salt_kv_events
+    assert (default.cache_salt is not None) is salt_kv_events
+    assert namespace.apply(other) and other.cache_salt.startswith("kvplug:")

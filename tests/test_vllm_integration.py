@@ -254,6 +254,46 @@ def test_tenants_do_not_share_cache(models, engines):
     assert cached("b") > 0
 
 
+@pytest.mark.parametrize("salt_kv_events", [False, True])
+def test_kv_events_keep_vllm_hashes_for_a_router_unless_salted(models, salt_kv_events):
+    """With KV events on, a default-tenant request keeps vLLM's own block hashes (what a
+    router recomputing them from the prompt, such as llm-d's precise prefix-cache scorer,
+    derives), unless ``namespace.salt_kv_events``; another tenant is always salted."""
+    from vllm.config import KVEventsConfig
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    import kvplug.vllm
+    from kvplug.vllm.bench import Workload, build_vllm_config, scheduler_kwargs
+
+    workload = Workload(block_size=BLOCK)
+    config = build_vllm_config(models["llama"], workload, 64)
+    config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    config.additional_config = {"kvplug": {"namespace": {"salt_kv_events": salt_kv_events}}}
+    scheduler = kvplug.vllm.Scheduler(**scheduler_kwargs(config, workload, 64))
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(BLOCK, hash_fn)
+    prompt = list(range(10, 10 + 3 * BLOCK))
+
+    def added(name: str, tenant: str | None) -> Request:
+        extra = {"kvplug_tenant": tenant} if tenant else None
+        params = SamplingParams(max_tokens=2, extra_args=extra)
+        request = Request(name, prompt, params, None, block_hasher=hasher)
+        scheduler.add_request(request)
+        return request
+
+    router_view = Request("router", prompt, SamplingParams(max_tokens=2), None, block_hasher=hasher)
+    default, other = added("default", None), added("other", "acme")
+    assert len(router_view.block_hashes) == 3
+    if salt_kv_events:
+        assert default.cache_salt and default.block_hashes != router_view.block_hashes
+    else:
+        assert default.cache_salt is None and default.block_hashes == router_view.block_hashes
+    assert other.cache_salt and other.block_hashes[0] != router_view.block_hashes[0]
+
+
 def test_untested_vllm_is_refused_unless_overridden(models, engines, monkeypatch):
     monkeypatch.setattr("kvplug.vllm.version.installed_vllm_version", lambda: "0.31.2")
     with pytest.raises(UnsupportedEngineError, match=r"supports vLLM .*0\.32.*0\.31\.2"):

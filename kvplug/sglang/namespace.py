@@ -14,8 +14,9 @@ SGLang requests carry custom parameters::
 (offline: ``engine.generate(prompt, {"custom_params": {"kvplug_tenant": "acme"}})``).
 Without one, the config's ``namespace.tenant`` applies; ``namespace.share_across_tenants:
 true`` ignores tenants. Within one server the model and tokenizer never change, so a
-request of the default tenant keeps its key unless SGLang exports keys (KV events on),
-as in the vLLM adapter.
+request of the default tenant keeps SGLang's key, in its KV events too (a router that
+recomputes the keys from the prompt then finds them), unless ``namespace.salt_kv_events``
+is set and KV events are on, as in the vLLM adapter.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class RequestNamespace:
     engine_parts: tuple[str, ...]
     default_tenant: str
     share_across_tenants: bool
-    exported: bool  # keys leave the engine (KV events): always salt
+    exported: bool  # KV events on and ``namespace.salt_kv_events``: always salt
 
     @classmethod
     def for_server(cls, config: KVPlugConfig, server_args: Any, params: Any) -> RequestNamespace:
@@ -63,7 +64,8 @@ class RequestNamespace:
             parts,
             config.namespace.tenant,
             config.namespace.share_across_tenants,
-            bool(getattr(params, "enable_kv_cache_events", False)),
+            config.namespace.salt_kv_events
+            and bool(getattr(params, "enable_kv_cache_events", False)),
         )
 
     def tenant(self, req: Any) -> str:

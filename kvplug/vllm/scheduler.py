@@ -125,17 +125,23 @@ class KVPlugSchedulerMixin:
         """Salt the request's first block with kvplug's namespace and rehash its blocks.
 
         Within one engine every request shares the model, revision and tokenizer, so that
-        part of the salt changes no hit; it is applied only where block hashes leave the
-        engine (KV events, a KV connector). A request naming a tenant other than the
-        configured one is always salted, and rehashed (a cost of one prompt hash).
+        part of the salt changes no hit; it is applied only where cached state can leave
+        the engine (a KV connector), or to KV events with ``namespace.salt_kv_events``. KV
+        events only tell a router where prefixes are, so by default they keep vLLM's own
+        hashes, which a router recomputing them from the prompt matches. A request naming
+        a tenant other than the configured one is always salted, and rehashed (a cost of
+        one prompt hash).
         """
         if getattr(request, "_block_hasher", None) is None:
             return  # prefix caching is off: nothing is keyed
-        default = tenant = self.kvplug_config.namespace.tenant
-        if not self.kvplug_config.namespace.share_across_tenants:
+        namespace = self.kvplug_config.namespace
+        default = tenant = namespace.tenant
+        if not namespace.share_across_tenants:
             extra_args = getattr(request.sampling_params, "extra_args", None) or {}
             tenant = str(extra_args.get(TENANT_ARG, default))
-        exported = self.enable_kv_cache_events or self.connector is not None  # type: ignore[attr-defined]
+        exported = self.connector is not None or (  # type: ignore[attr-defined]
+            namespace.salt_kv_events and self.enable_kv_cache_events  # type: ignore[attr-defined]
+        )
         if tenant == default and not exported:
             return
         parts = [*self._namespace.values(), tenant, request.cache_salt or ""]
