@@ -131,12 +131,7 @@ class EvictionCore(Generic[N]):
             self.num_evictable -= 1
             if node.cached_children == 0:
                 self.policy.discard_candidate(node)
-        parent = node.parent  # live_parent(node), inlined
-        if parent is not None and parent.serial == node.parent_serial:
-            parent.cached_children -= 1
-            if parent.cached_children == 0 and parent.evictable:
-                self.policy.add_candidate(parent)
-        self.policy.remove(node)
+        self._leave(node)
 
     def pop_victim(self) -> N | None:
         """The candidate the policy evicts first, removed (as `remove` would), or None:
@@ -146,13 +141,17 @@ class EvictionCore(Generic[N]):
             return None
         node.evictable = False
         self.num_evictable -= 1
-        parent = node.parent  # live_parent(node), inlined
+        self._leave(node)
+        return node  # type: ignore[return-value]
+
+    def _leave(self, node: N) -> None:
+        """`node`, no longer evictable, leaves the cache: its parent may become a leaf."""
+        parent = node.parent  # live_parent(node), inlined: this runs for every eviction
         if parent is not None and parent.serial == node.parent_serial:
             parent.cached_children -= 1
             if parent.cached_children == 0 and parent.evictable:
                 self.policy.add_candidate(parent)
         self.policy.remove(node)
-        return node  # type: ignore[return-value]
 
     def split(self, upper: N, lower: N) -> None:
         """An engine that stores several blocks in one node (SGLang's radix tree) split
