@@ -55,7 +55,8 @@ class KVPlugKVCacheManager(KVCacheManager):
         result = super().get_computed_blocks(request)  # (blocks, hit tokens, ...)
         if request.num_output_tokens == 0:  # its first prefill, not a resume
             request.kvplug_matched_tokens = result[1]
-            if self.block_pool.tracked and self.block_pool.windows:
+            rules = self.block_pool.rules
+            if rules is not None and rules.windows:  # its branch point is an anchor
                 branch = self._branch_point(request)
                 request.kvplug_branch = branch if branch > result[1] else 0
         return result
@@ -87,12 +88,13 @@ class KVPlugKVCacheManager(KVCacheManager):
         if not pool.tracked:  # lru: nothing is ranked, so nothing to tell
             super().free(request)
             return
-        for group, window in pool.windows.items():  # the request's end is an anchor
-            manager = self.coordinator.single_type_managers[group]
-            blocks = manager.req_to_blocks.get(request.request_id)
-            if blocks:
-                end = manager.num_cached_block.get(request.request_id, 0)
-                pool.anchor(blocks[max(end - window, 0) : end])
+        if pool.rules is not None:
+            for group, window in pool.rules.windows.items():  # the request's end: an anchor
+                manager = self.coordinator.single_type_managers[group]
+                blocks = manager.req_to_blocks.get(request.request_id)
+                if blocks:
+                    end = manager.num_cached_block.get(request.request_id, 0)
+                    pool.rules.anchor(blocks[max(end - window, 0) : end])
         self.block_pool.releasing = Release(
             output_tokens=request.num_output_tokens,
             request_hit=matched_tokens(request) > 0,
