@@ -45,7 +45,12 @@ FULL = {
     "block_size": 16,
     "hash_algo": "sha256",
     "enable_prefix_caching": False,
-    "namespace": {"model_revision": "abc123", "tenant": "acme", "share_across_tenants": True},
+    "namespace": {
+        "model_revision": "abc123",
+        "tenant": "acme",
+        "share_across_tenants": True,
+        "salt_kv_events": True,
+    },
     "strict_version": False,
 }
 
@@ -141,7 +146,7 @@ def test_unknown_key_without_close_match() -> None:
 def test_unknown_nested_key_names_the_dotted_path() -> None:
     message = config_error({"namespace": {"tenat": "a"}})
     assert "unknown key 'namespace.tenat'" in message
-    assert "model_revision, share_across_tenants, tenant" in message
+    assert "model_revision, salt_kv_events, share_across_tenants, tenant" in message
     assert "did you mean 'tenant'?" in message
 
 

@@ -316,7 +316,7 @@ def without_anchor_rules(arm: VLLMHybridArm) -> None:
 
     pool = arm.manager.block_pool
     pool.use_policy(make_policy("cost"), PoolStats(), pool.tree_groups, pool.group_kinds)
-    assert not pool.windows
+    assert pool.rules is not None and not pool.rules.windows  # cross-group retiring only
 
 
 def sliding_window_records(pool) -> list:
@@ -335,7 +335,7 @@ def test_a_victim_retires_its_position_in_the_other_sliding_window_groups():
     arm.finish(0)  # 60 blocks of A cached, none held
     pool = arm.manager.block_pool
     victim = pool.eviction.next_victim()
-    dependents = pool.dependents(victim)
+    dependents = pool.rules.dependents(victim)
     position, group = victim.key[:-4], int.from_bytes(victim.key[-4:], "big")
     expected = {g for g in range(5) if g != group}
     assert {int.from_bytes(r.key[-4:], "big") for r, *_ in dependents} == expected
@@ -394,7 +394,7 @@ def test_kvplug_pool_invariants_with_several_groups(policy, spec, ops, pages):
 def test_sliding_window_blocks_before_anchors_are_marked():
     arm = make_arm(GEMMA, 200, "cost")
     pool = arm.manager.block_pool
-    assert pool.windows == dict.fromkeys(range(5), 2)
+    assert pool.rules.windows == dict.fromkeys(range(5), 2)
     assert arm.admit(0, [*A, F], 10) == 0
     arm.grow(0, [900, 901, 902])
     arm.finish(0)
@@ -442,6 +442,17 @@ def test_unanchored_sliding_window_blocks_are_evicted_before_the_policys_choice(
     pool.check_invariants()
 
 
+def test_pool_audit_catches_an_unanchored_window_not_queued_first():
+    arm = make_arm(GEMMA, 61, "cost")
+    assert arm.admit(0, [*A, F], 10) == 0
+    arm.finish(0)
+    pool = arm.manager.block_pool
+    pool.check_invariants()
+    pool.rules._first.clear()  # the unanchored windows would strand (never evicted first)
+    with pytest.raises(AssertionError, match="not queued first"):
+        pool.check_invariants()
+
+
 def test_recomputed_full_attention_blocks_stay_leaves_and_go_first():
     """A request served a shorter junction than its full-attention hit recomputes cached
     blocks (vLLM caches the copies too): its later blocks hang below the first copies,
@@ -469,7 +480,7 @@ def test_recomputed_full_attention_blocks_stay_leaves_and_go_first():
     assert firsts[6].cached_children == 2
     pool.check_invariants()
     arm.finish(2)
-    queued = {id(r) for r, serial in pool._first if r.serial == serial}
+    queued = {id(r) for r, serial in pool.rules._first if r.serial == serial}
     assert all(id(r) in queued for r in copies)
     assert not any(id(r) in queued for r in firsts.values())
     pool.check_invariants()

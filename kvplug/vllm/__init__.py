@@ -20,6 +20,7 @@ blocks at its position with it, since no junction can use them any more.
 | `scheduler` | the `Scheduler` factory, kvplug's config, the namespace salt, statistics |
 | `kv_cache_manager` | the one construction site: vLLM's manager over kvplug's pool; group kinds |
 | `block_pool` | `KVPlugBlockPool` (vLLM's `BlockPool`), `ReleaseOrderPool` (lru), `CachedBlock` |
+| `anchors` | `HybridRules`: a hybrid pool's cross-group retiring and anchored windows |
 | `free_queue` | `PolicyFreeQueue`: vLLM's free-queue interface, fresh blocks then victims |
 | `stats` | `PoolStats`, metrics snapshots and the Prometheus collector |
 | `plugin` | the ``vllm.general_plugins`` entry point |

@@ -13,28 +13,12 @@ and metrics collector. It changes two things:
   call), hit and dropped, and the core names the victim: the policy's lowest-ranked
   *leaf*, so a shared root is evicted after the leaves below it.
 
-**Hybrid models with sliding-window groups** (*anchors*). A hit is the junction every
-group serves: at block position a, every full-attention block before a and, in each
-sliding-window group, the window of W blocks before a (W = ``cdiv(sliding_window - 1,
-block_size)``). vLLM caches every sliding-window block a request computed, but later
-requests are served at a few positions only, the *anchors*; a sliding-window record is
-marked ``anchored`` when it lies in the window before one:
-
-- a position a lookup was served at (the blocks `touch` reuses are that window);
-- a prompt's end, and the longest hit a resend of it can get (vLLM leaves the last token
-  to compute), both in `cache_full_blocks`;
-- where a request left the cached tree (the full-attention blocks of its prompt cached
-  at its first lookup, beyond the hit it got: ``kvplug_branch``, set by the manager);
-- the request's end (the manager marks it as the request is freed).
-
-A released sliding-window block that is not anchored is evicted before the policy's
-choice, in release order, and is never ranked (no policy learns from it); so is a
-full-attention block whose hash another block holds (vLLM caches duplicates: a request
-served a shorter junction than the full-attention hit recomputes those blocks), and a
-request's blocks after such a copy are recorded below the first copy, so the copies stay
-leaves. When a full-attention block goes, a parent left as a leaf whose next position has
-an incomplete window in some group serves no junction, and is retired too, up the path.
-Evictions still go through vLLM's hand-out path, so KV events stay exact.
+**Hybrid models with a sliding-window group.** A hit is the junction every group serves,
+so one eviction can retire other groups' blocks, and sliding-window blocks no later
+request is likely served at (not *anchored*) are evicted first: the *hybrid rules* of
+`kvplug.vllm.anchors` (`HybridRules`, which a tracked pool owns, ``rules``, and calls at
+its hook points). Evictions still go through vLLM's hand-out path, so KV events stay
+exact.
 
 With ``lru`` the pool is not tracked (`ReleaseOrderPool`): vLLM's own free queue
 evicts the block released longest ago, which is vLLM's own order (fresh blocks first,
@@ -54,13 +38,14 @@ Invariants (checked by `check_invariants`):
   block has one; when tracked, its live record holds that key and is evictable exactly
   while the block is in the queue's cached set;
 - when tracked, the policy's candidates are exactly the evictable records that no cached
-  record names as its live parent, less the unanchored sliding-window records (evicted
-  first, never ranked); when not, the policy has no candidates.
+  record names as its live parent, less those the hybrid rules release unranked
+  (unanchored sliding-window records, evicted first); when not, the policy has no
+  candidates. The hybrid rules' own invariants are in `kvplug.vllm.anchors`.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import count
@@ -73,6 +58,7 @@ from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.core.groups import GroupKind
 from kvplug.policies.base import EvictionPolicy
 from kvplug.policies.lru import LRUPolicy
+from kvplug.vllm.anchors import HybridRules
 from kvplug.vllm.free_queue import PolicyFreeQueue
 from kvplug.vllm.stats import PoolStats
 
@@ -83,10 +69,6 @@ class Release:
 
     output_tokens: int = 0
     request_hit: bool = False
-
-
-# victims whose position's sliding-window blocks in other groups are retired with them
-RETIRING_KINDS = (GroupKind.FULL, GroupKind.SLIDING_WINDOW)
 
 
 class CachedBlock:
@@ -120,7 +102,7 @@ class CachedBlock:
         self.parent_serial = -1
         self.cached_children = 0
         self.evictable = False
-        self.anchored = False  # sliding window: in the window before some request's anchor
+        self.anchored = False  # sliding window: before an anchor (`kvplug.vllm.anchors`)
 
 
 class KVPlugBlockPool(BlockPool):
@@ -140,6 +122,7 @@ class KVPlugBlockPool(BlockPool):
     eviction: EvictionCore[CachedBlock]
     stats: PoolStats
     tracked: bool  # the eviction core ranks every cached block (any policy but exact lru)
+    rules: HybridRules | None  # a tracked hybrid pool's cross-group and anchor rules
     counts_handed_out = False  # evictions counted in get_new_blocks (else by the queue)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -171,12 +154,9 @@ class KVPlugBlockPool(BlockPool):
         `tree_groups` (full attention: a hit needs every block before it) are evicted
         leaves first; others (sliding window) have no parent. None means every group.
 
-        `group_kinds` (a hybrid model's groups, by id) makes one decision span the groups:
-        a hit is the junction every group serves, so when the policy evicts a block, the
-        other groups' blocks at the same position that only the junctions it served
-        needed are evicted next (`dependents`). `windows` (each sliding-window group's
-        window in blocks) turns on the anchor rules of the module doc, with a
-        full-attention group.
+        `group_kinds` (a hybrid model's groups, by id) and `windows` (each sliding-window
+        group's window in blocks) are the hybrid rules' (`kvplug.vllm.anchors`): a tracked
+        pool with a sliding-window group gets a `HybridRules` (``rules``), others None.
 
         kvplug's `LRUPolicy` is vLLM's own order (least recently released first, a
         request's tail first), and in that order a cached child is always released before
@@ -189,22 +169,8 @@ class KVPlugBlockPool(BlockPool):
         self.stats = stats
         self.tree_groups = tree_groups
         self.group_kinds = dict(group_kinds or {})
-        # dependents to evict next: (record, its serial, the victim's key they depend on)
-        self._retiring: deque[tuple[CachedBlock, int, Any]] = deque()
-        # sliding-window groups with a known window (blocks a hit needs before it), by
-        # group id; with a full-attention group, they turn on the anchor rules (module doc)
-        full = {g.to_bytes(4, "big") for g, k in self.group_kinds.items() if k is GroupKind.FULL}
-        self.windows = {
-            group: window
-            for group, window in (windows or {}).items()
-            if full and window > 0 and self.group_kinds.get(group) is GroupKind.SLIDING_WINDOW
-        }
-        self._window_suffixes = {group.to_bytes(4, "big") for group in self.windows}
-        self._full_suffixes = full if self.windows else set()
-        # released blocks evicted before the policy's choice, in release order (unanchored
-        # sliding-window blocks, full-attention copies): (record, its serial)
-        self._first: deque[tuple[CachedBlock, int]] = deque()
         self.tracked = type(policy) is not LRUPolicy
+        self.rules = None
         free = [b for b in self.blocks if not b.is_null]  # nothing cached: all held or free
         if self.tracked:
             self.__class__ = KVPlugBlockPool
@@ -212,6 +178,9 @@ class KVPlugBlockPool(BlockPool):
             if not self._slots:
                 self._slots = [CachedBlock(block) for block in self.blocks]
                 self._keys = [None] * len(self.blocks)
+            # without a sliding-window group no victim retires anything (module doc there)
+            if GroupKind.SLIDING_WINDOW in self.group_kinds.values():
+                self.rules = HybridRules(self, self.group_kinds, windows or {})
         else:  # vLLM's own queue and order; `ReleaseOrderPool` only counts
             self.__class__ = ReleaseOrderPool
             self.free_block_queue = FreeKVCacheBlockQueue(free)
@@ -225,16 +194,14 @@ class KVPlugBlockPool(BlockPool):
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """A request reuses `blocks` (prefix hits): count the hit, then take a reference."""
         keys, slots, hit, hits = self._keys, self._slots, self.eviction.hit, 0
-        windowed = self._window_suffixes
         for block in blocks:
             key = keys[block.block_id]
             if key is not None and key == block._block_hash:
                 hits += 1
-                record = slots[block.block_id]
-                if windowed and key[-4:] in windowed:  # the window before the junction
-                    record.anchored = True
-                hit(record)
+                hit(slots[block.block_id])
         self.stats.block_hits += hits
+        if self.rules is not None:
+            self.rules.on_touch(blocks)
         super().touch(blocks)
 
     def cache_full_blocks(
@@ -252,15 +219,17 @@ class KVPlugBlockPool(BlockPool):
             request, blocks, num_cached_blocks, num_full_blocks, block_size,
             kv_cache_group_id, block_mask,
         )  # fmt: skip
-        keys = self._keys
+        keys, rules = self._keys, self.rules
+        # with anchors, a copy's children go below the first copy (`kvplug.vllm.anchors`)
+        canonical = rules.canonical if rules is not None and rules.windows else None
         tree = self.tree_groups is None or kv_cache_group_id in self.tree_groups
         parent = None
         if tree and num_cached_blocks > 0:
             before = blocks[num_cached_blocks - 1]
             if keys[before.block_id] is not None:
                 parent = self._slots[before.block_id]
-                if self.windows:
-                    parent = self._canonical(parent)
+                if canonical is not None:
+                    parent = canonical(parent)
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or block._block_hash is None:
@@ -269,32 +238,15 @@ class KVPlugBlockPool(BlockPool):
             record = self._record(block, parent)
             if not tree:
                 parent = None
-            elif self.windows:  # a copy's children go below the first copy (module doc)
-                parent = self._canonical(record)
+            elif canonical is not None:
+                parent = canonical(record)
             else:
                 parent = record
-        window = self.windows.get(kv_cache_group_id)
-        if window:
-            # the prompt's end, and the longest hit a resend of it can get (vLLM leaves
-            # its last token to compute), and where it left the cached tree
-            ends = (
-                request.num_prompt_tokens // block_size,
-                (request.num_prompt_tokens - 1) // block_size,
-                getattr(request, "kvplug_branch", 0) // block_size,
-            )
-            for end in ends:
-                start = max(end - window, num_cached_blocks)
-                self.anchor(blocks[start : min(end, num_full_blocks)])
-
-    def anchor(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """`blocks` (one sliding-window group's) lie in the window before an anchor: a
-        position a later request is likely served at. Released, they are ranked by the
-        policy; other released sliding-window blocks are evicted first."""
-        keys, slots = self._keys, self._slots
-        for block in blocks:
-            key = keys[block.block_id]
-            if key is not None and key == block._block_hash:
-                slots[block.block_id].anchored = True
+        if rules is not None:
+            rules.on_cached(
+                request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                kv_cache_group_id,
+            )  # fmt: skip
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """vLLM's `get_new_blocks`, with `_maybe_evict_cached_block` and
@@ -364,13 +316,12 @@ class KVPlugBlockPool(BlockPool):
     def on_free_n(self, released: list[tuple[int, KVCacheBlock]]) -> None:
         """Blocks (with a hash) lost their last holder, each with its `from_end` (blocks
         of the releasing request after it): rank them and offer them for eviction."""
-        keys = self._keys
-        slots, release_n = self._slots, self.eviction.release_n
+        keys, slots, rules = self._keys, self._slots, self.rules
+        # a hybrid pool's rules rank some released blocks, and queue some to go first
+        release_n = self.eviction.release_n if rules is None else rules.release_n
         records: list[CachedBlock] = []
         request_hit = self.releasing.request_hit
         output_tokens = self.releasing.output_tokens
-        windowed, full, first = self._window_suffixes, self._full_suffixes, self._first
-        unranked: list[CachedBlock] = []  # evicted first, and never ranked
         for from_end, block in released:
             if keys[block.block_id] == block._block_hash:
                 record = slots[block.block_id]
@@ -382,19 +333,9 @@ class KVPlugBlockPool(BlockPool):
             record.from_end = from_end
             record.request_hit = request_hit
             record.request_output = output_tokens
-            if windowed:
-                group = record.key[-4:]
-                if group in windowed and not record.anchored:
-                    first.append((record, record.serial))
-                    unranked.append(record)
-                    continue
-                if group in full and self._cached_elsewhere(record.key, block.block_id):
-                    first.append((record, record.serial))  # a copy: the other one serves
             records.append(record)
         if records:
             release_n(records)
-        if unranked:
-            self.eviction.release_unranked(unranked)
 
     def on_unfree(self, block: KVCacheBlock) -> None:
         """`block` left the queue's cached set without being evicted (a prefix hit)."""
@@ -404,7 +345,7 @@ class KVPlugBlockPool(BlockPool):
         """`evict_next` `n` times (the queue holds that many cached blocks): the eviction
         core's victims in order, forgotten. Without a hybrid model's rules, the core
         removes each victim as it names it (`EvictionCore.pop_victim`)."""
-        if self.group_kinds:
+        if self.rules is not None:
             taken: list[KVCacheBlock] = []
             for _ in range(n):
                 taken.append(self.evict_next(taken))
@@ -427,103 +368,18 @@ class KVPlugBlockPool(BlockPool):
         return victims
 
     def evict_next(self, taken: Sequence[KVCacheBlock] = ()) -> KVCacheBlock:
-        """Forget the eviction core's next victim (its hash goes when vLLM hands the block
-        out) and return its block, never one of `taken` (victims already chosen with it);
-        the queue then calls `on_evicted`. Tracked only."""
-        retiring, is_candidate = self._retiring, self.eviction.is_candidate
-        while retiring:
-            record, serial, needed = retiring.popleft()
-            # still dead: the victim's block was not cached again since (vLLM's map keeps
-            # the victim itself until it is handed out; the pool forgot it already)
-            if self._is_cached(needed):
-                continue
-            if record.serial == serial and is_candidate(record):
-                block: KVCacheBlock = record.block
-                self.stats.retired += 1
-                if record.key[-4:] in self._full_suffixes:  # a dead leaf: its path's turn
-                    retiring.extend(self.dependents(record))
-                    self._retire_dead_parent(record)
-                self._forget(block)
-                return block
-        first = self._first
-        while first:
-            record, serial = first.popleft()
-            if record.serial != serial or not is_candidate(record):
-                continue
-            if record.key[-4:] in self._full_suffixes:
-                if not self._cached_elsewhere(record.key, record.block.block_id):
-                    continue  # the other copy went first: this one is ranked
-            elif record.anchored:
-                continue
-            block = record.block
-            self._forget(block)
-            return block
-        victim = self.eviction.next_victim()
+        """Forget the next victim (its hash goes when vLLM hands the block out) and return
+        its block, never one of `taken` (victims already chosen with it); the queue then
+        calls `on_evicted`. Tracked only. A hybrid pool's rules choose it (theirs first,
+        else the policy's); others, the eviction core."""
+        rules = self.rules
+        victim = self.eviction.next_victim() if rules is None else rules.next_victim()
         if victim is not None:
-            block = victim.block
-            if self.group_kinds:
-                retiring.extend(self.dependents(victim))
-                if victim.key[-4:] in self._full_suffixes:
-                    self._retire_dead_parent(victim)
+            block: KVCacheBlock = victim.block
         else:  # unreachable while the child counts are exact; never strand a free block
             block = self.free_block_queue.any_cached(taken)
         self._forget(block)
         return block
-
-    def _retire_dead_parent(self, victim: CachedBlock) -> None:
-        """When full-attention `victim` goes, its parent may become a leaf that ends a
-        path no junction can use (the window before the position after it is missing
-        in some sliding-window group): retire it too, which cascades up the path."""
-        parent = live_parent(victim)
-        if parent is None or parent.cached_children != 1 or not parent.evictable:
-            return
-        hashes, node = [], parent
-        for _ in range(min(max(self.windows.values()), parent.depth + 1)):
-            if node is None:
-                return  # cannot tell
-            hashes.append(node.key[:-4])
-            node = live_parent(node)
-        for group, window in self.windows.items():
-            suffix = group.to_bytes(4, "big")
-            if not all(self._is_cached(position + suffix) for position in hashes[:window]):
-                self._retiring.append((parent, parent.serial, victim.key))
-                return
-
-    def dependents(self, victim: CachedBlock) -> list[tuple[CachedBlock, int, Any]]:
-        """Evictable blocks of other groups at `victim`'s position that serve no junction
-        once it is gone, with their serials and the victim's key (a dependent is evicted
-        only while that key is not cached again).
-
-        A junction at position p needs every full-attention block before p and the window
-        of sliding-window blocks before p, in every group. So when a full-attention block
-        (a leaf) or one group's sliding-window block goes, the other sliding-window groups'
-        blocks at that position serve no junction. A full-attention block is never a
-        dependent (deeper junctions need it; `_retire_dead_parent` retires one that no
-        junction can use); with the anchor rules, a victim whose hash another block holds
-        has none. Mamba states are not retired this way: on the Mamba preset of the hybrid
-        replay it cost saved compute (the policy then relearns their reuse from ghosts it
-        would not otherwise see); see the README."""
-        key = victim.key
-        kinds = self.group_kinds
-        if kinds.get(int.from_bytes(key[-4:], "big")) not in RETIRING_KINDS:
-            return []
-        if self.windows and self._cached_elsewhere(key, victim.block.block_id):
-            return []  # another copy still serves the position
-        position = key[:-4]
-        lookup, keys, slots = self.cached_block_hash_to_block.get_one_block, self._keys, self._slots
-        found = []
-        for group, kind in kinds.items():
-            if kind is not GroupKind.SLIDING_WINDOW:
-                continue
-            other = position + group.to_bytes(4, "big")
-            if other == key:
-                continue
-            block = lookup(other)
-            if block is not None and keys[block.block_id] == other:
-                record = slots[block.block_id]
-                if record.evictable:
-                    found.append((record, record.serial, key))
-        return found
 
     def on_evicted(self, blocks: list[KVCacheBlock]) -> None:
         """The queue evicted `blocks` (their hashes go when vLLM hands them out): forget
@@ -536,32 +392,6 @@ class KVPlugBlockPool(BlockPool):
             evicted.popitem(last=False)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _canonical(self, record: CachedBlock) -> CachedBlock:
-        """The record vLLM's map names first for `record`'s key (vLLM caches duplicates):
-        a request that recomputed cached blocks continues below the first copy, so its
-        own copies stay leaves."""
-        block = self.cached_block_hash_to_block.get_one_block(record.key)
-        if block is None or block is record.block or self._keys[block.block_id] != record.key:
-            return record
-        return self._slots[block.block_id]
-
-    def _is_cached(self, key: Any) -> bool:
-        """Whether a block holds `key` as the pool accounts for it (vLLM's map keeps a
-        victim's hash until the block is handed out)."""
-        block = self.cached_block_hash_to_block.get_one_block(key)
-        if block is None:
-            return False
-        return self._keys[block.block_id] == key or self._cached_elsewhere(key, block.block_id)
-
-    def _cached_elsewhere(self, key: Any, block_id: int) -> bool:
-        """Whether a block other than `block_id` holds `key` (vLLM caches duplicates; its
-        map holds them in a dict by block id)."""
-        blocks = self.cached_block_hash_to_block._cache.get(key)
-        if not isinstance(blocks, dict):
-            return False
-        keys = self._keys
-        return any(i != block_id and keys[i] == key for i in blocks)
-
     def _adopt(self, block: KVCacheBlock, key: Any) -> None:
         """`block` holds `key`, which the pool does not account for yet: count it."""
         if self._keys[block.block_id] is not None:  # the block holds another hash now
@@ -619,6 +449,7 @@ class KVPlugBlockPool(BlockPool):
             parent = live_parent(record)
             if parent is not None:
                 children[parent.serial] = children.get(parent.serial, 0) + 1
+        rules = self.rules
         leaves = 0
         for record in records:
             found = children.get(record.serial, 0)
@@ -626,9 +457,11 @@ class KVPlugBlockPool(BlockPool):
                 f"block {record.block.block_id}: {record.cached_children} cached children "
                 f"counted, {found} found"
             )
-            unranked = record.key[-4:] in self._window_suffixes and not record.anchored
+            unranked = rules is not None and rules.is_unranked(record)
             leaves += record.evictable and found == 0 and not unranked
         assert len(self.policy) == leaves, "the policy's candidates are not the cached leaves"
+        if rules is not None:
+            rules.check_invariants(records)
 
 
 class ReleaseOrderPool(KVPlugBlockPool):

@@ -66,12 +66,13 @@ class KVPlugKVCacheManager(KVCacheManager):
         if not pool.tracked:  # lru: nothing is ranked, so nothing to tell
             super().free(request)
             return
-        for group, window in pool.windows.items():  # the request's end is an anchor
-            manager = self.coordinator.single_type_managers[group]
-            blocks = manager.req_to_blocks.get(request.request_id)
-            if blocks:
-                end = manager.num_cached_block.get(request.request_id, 0)
-                pool.anchor(blocks[max(end - window, 0) : end])
+        if pool.rules is not None:
+            for group, window in pool.rules.windows.items():  # the request's end: an anchor
+                manager = self.coordinator.single_type_managers[group]
+                blocks = manager.req_to_blocks.get(request.request_id)
+                if blocks:
+                    end = manager.num_cached_block.get(request.request_id, 0)
+                    pool.rules.anchor(blocks[max(end - window, 0) : end])
         self.block_pool.releasing = Release(
             output_tokens=request.num_output_tokens,
             request_hit=matched_tokens(request) > 0,
