@@ -181,7 +181,10 @@ class KVPlugConfig(BaseModel):
             raise ConfigError(_join(problems, where)) from None
 
 
-OFFLINE_POLICIES = {"belady": "it needs every request in advance (use it in kvplug replay)"}
+OFFLINE_POLICIES = {
+    name: "it needs every request in advance (use it in kvplug replay)"
+    for name in policies.OFFLINE_POLICIES
+}
 
 
 def build_policy(config: KVPlugConfig, model: ModelSpec) -> EvictionPolicy:

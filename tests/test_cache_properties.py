@@ -39,6 +39,7 @@ from kvplug.errors import (
 )
 from kvplug.policies import EvictionPolicy, make_policy
 from kvplug.policies.belady import BeladyPolicy
+from kvplug.policies.rate_oracle import RateOraclePolicy
 
 BASES = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [7, 7, 7, 7, 7, 7])
 TENANTS = (Namespace(tenant="a"), Namespace(tenant="b"))
@@ -65,6 +66,8 @@ class CacheMachine(RuleBasedStateMachine):
         policy = make_policy(self.policy_name)
         if isinstance(policy, BeladyPolicy):
             policy.set_oracle(random_future)
+        if isinstance(policy, RateOraclePolicy):
+            policy.set_oracle(lambda node: random_future(node, 0))
         return policy
 
     @initialize(

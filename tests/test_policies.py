@@ -9,17 +9,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cache_properties import CacheMachine
 
+from kvplug.config import KVPlugConfig, build_policy
 from kvplug.core.cache import KVCache
 from kvplug.core.eviction import EvictionCore
-from kvplug.errors import UnknownPolicyError
-from kvplug.policies import available_policies, make_policy, policy_class
+from kvplug.core.model_spec import load_model
+from kvplug.errors import ConfigError, UnknownPolicyError
+from kvplug.policies import OFFLINE_POLICIES, available_policies, make_policy, policy_class
 from kvplug.policies.base import EvictionPolicy
 from kvplug.policies.cost import CostPolicy
 from kvplug.policies.gdsf import GDSFPolicy
 from kvplug.policies.learned import LearnedPolicy
 from kvplug.policies.shadow import ShadowCache, sampled
 
-BUILTIN = ["belady", "cost", "gdsf", "learned", "lfu", "lru"]
+BUILTIN = ["belady", "cost", "gdsf", "learned", "lfu", "lru", "rate-oracle"]
 
 
 def test_registry_lists_every_builtin_policy() -> None:
@@ -30,7 +32,8 @@ def test_registry_lists_every_builtin_policy() -> None:
 
 def test_unknown_policy_lists_the_known_ones() -> None:
     with pytest.raises(
-        UnknownPolicyError, match="known policies: belady, cost, gdsf, learned, lfu, lru"
+        UnknownPolicyError,
+        match="known policies: belady, cost, gdsf, learned, lfu, lru, rate-oracle",
     ):
         make_policy("arc")
 
@@ -203,6 +206,16 @@ TestInvariantsUnderGDSF = _machine_under("gdsf")
 TestInvariantsUnderCost = _machine_under("cost")
 TestInvariantsUnderLearned = _machine_under("learned")
 TestInvariantsUnderBelady = _machine_under("belady")
+TestInvariantsUnderRateOracle = _machine_under("rate-oracle")
+
+
+@pytest.mark.parametrize("name", OFFLINE_POLICIES)
+def test_offline_policies_need_the_future_and_no_engine_runs_them(name: str) -> None:
+    with pytest.raises(ConfigError, match=f"policy {name!r} cannot run in a server"):
+        build_policy(KVPlugConfig(policy=name), load_model(None))
+    cache = KVCache(4, 1, policy=name)
+    with pytest.raises(ConfigError, match="runs only in trace replays"):
+        _serve(cache, "a", [1, 2])
 
 
 class _Node:

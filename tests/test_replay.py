@@ -242,6 +242,8 @@ def _by_hand() -> Trace:
 # r4 hits block 1 and evicts the new 2 (churn), r5 evicts 5 (churn) and 1.
 # lru at 4: r1, r3 hit both; r4 hits 1, evicts 4 (the leaf released first; churn); r5 hits
 # 3 and evicts 2. belady at 4 evicts 2 instead (never used again), so r5 hits both.
+# rate-oracle at 4 keeps 2 (three requests reach it, against two for 4), so r5 finds only
+# 3 and evicts 5: it knows how often a block returns, not when.
 # At 6 blocks nothing is evicted: every arm hits 2 + 2 + 1 + 2 blocks.
 BY_HAND = {
     ("lru", 2): (3, 7, 4),
@@ -249,6 +251,9 @@ BY_HAND = {
     ("cost", 2): (3, 7, 4),  # at 2 blocks every eviction is forced
     ("lru", 4): (6, 2, 1),
     ("belady", 4): (7, 1, 0),
+    ("rate-oracle", 2): (3, 7, 4),
+    ("rate-oracle", 4): (6, 2, 2),
+    ("rate-oracle", 6): (7, 0, 0),
     ("lru", 6): (7, 0, 0),
     ("belady", 6): (7, 0, 0),
     ("cost", 6): (7, 0, 0),
@@ -276,7 +281,8 @@ def _check_by_hand(rows: list[dict]) -> None:
         ), row
         assert (row["evictions"], row["churn"]) == (evictions, churn), row
         checked += 1
-    assert checked == len(BY_HAND)
+    arms = {row["policy"] for row in rows}
+    assert checked == sum(arm in arms for arm, _ in BY_HAND)
 
 
 def test_runner_reports_every_arm_and_capacity() -> None:
@@ -291,6 +297,9 @@ def test_runner_reports_every_arm_and_capacity() -> None:
     # Held bytes: the mean over admissions of the blocks cached just after each one.
     per_block = 512 * MODEL.kv_bytes_per_token()
     assert rows[6].bytes_held == pytest.approx((2 + 2 + 4 + 4 + 5 + 5) / 6 * per_block)
+
+    oracle = run_replay(_by_hand(), ["rate-oracle"], [2, 4, 6], MODEL, sequential=True)
+    _check_by_hand([r.as_dict() for r in oracle])
 
     realistic = run_replay(
         synthetic_trace("mixed", duration=120), ["lru", "cost", "belady"], [40, 400], MODEL

@@ -64,7 +64,7 @@ from vllm_server_util import (  # noqa: E402
 )
 
 from kvplug.core.model_spec import ModelSpec  # noqa: E402
-from kvplug.policies import available_policies  # noqa: E402
+from kvplug.policies import OFFLINE_POLICIES, available_policies  # noqa: E402
 from kvplug.tools.tiny_model import build_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.vllm_server
@@ -79,7 +79,9 @@ WORDS = [
     "night", "day", "time", "year", "world", "people",
 ]  # fmt: skip
 POLICY_NAMES = ", ".join(available_policies())  # every registered policy, sorted
-ONLINE_POLICY_NAMES = ", ".join(name for name in available_policies() if name != "belady")
+ONLINE_POLICY_NAMES = ", ".join(
+    name for name in available_policies() if name not in OFFLINE_POLICIES
+)
 EXIT_TIMEOUT_S = 300.0  # a refused start still loads the model first (the scheduler comes last)
 
 

@@ -25,13 +25,12 @@ from kvplug.fleet.router import (
     make_router,
 )
 from kvplug.fleet.view import EventFeed, KeyScheme, PrefixView
-from kvplug.policies import available_policies
+from kvplug.policies import OFFLINE_POLICIES, available_policies
 from kvplug.replay.loop import Job, Timing, make_jobs
 from kvplug.replay.runner import arm_policy
 from kvplug.replay.trace import Trace
 
 UNIT_BLOCK_SIZE = 1  # the engines key one trace block per cache block, as KVPlugArm does
-OFFLINE_POLICIES = ("belady",)  # need the future of each engine, which routing decides
 
 
 @dataclass

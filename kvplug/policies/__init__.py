@@ -10,7 +10,8 @@ A policy reads cached blocks through `node.CachedNode` only; the eviction core
 | `node` | `CachedNode`, the fields a policy may read |
 | `base` | `EvictionPolicy` and `RankedPolicy` (one rank per release, a lazy heap) |
 | `value` | `BlockValue`: the prefill FLOPs a block saves at its depth |
-| `lru`, `lfu`, `gdsf`, `cost`, `belady` | the policies |
+| `lru`, `lfu`, `gdsf`, `cost`, `learned` | the online policies |
+| `belady`, `rate_oracle` | offline bounds for trace replays (they need the future) |
 """
 
 from __future__ import annotations
@@ -26,13 +27,24 @@ from kvplug.policies.gdsf import GDSFPolicy
 from kvplug.policies.learned import LearnedPolicy
 from kvplug.policies.lfu import LFUPolicy
 from kvplug.policies.lru import LRUPolicy
+from kvplug.policies.rate_oracle import RateOraclePolicy
 
 ENTRY_POINT_GROUP = "kvplug.policies"
 
 _BUILTIN: dict[str, type[EvictionPolicy]] = {
     cls.name: cls
-    for cls in (LRUPolicy, LFUPolicy, GDSFPolicy, CostPolicy, LearnedPolicy, BeladyPolicy)
+    for cls in (
+        LRUPolicy,
+        LFUPolicy,
+        GDSFPolicy,
+        CostPolicy,
+        LearnedPolicy,
+        BeladyPolicy,
+        RateOraclePolicy,
+    )
 }
+# Policies that need every request in advance: trace replays only, never an engine.
+OFFLINE_POLICIES = ("belady", "rate-oracle")
 
 
 def _registry() -> dict[str, type[EvictionPolicy]]:
@@ -74,4 +86,11 @@ def make_policy(name: str, **params: Any) -> EvictionPolicy:
         ) from exc
 
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "available_policies", "make_policy", "policy_class"]
+__all__ = [
+    "OFFLINE_POLICIES",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "available_policies",
+    "make_policy",
+    "policy_class",
+]

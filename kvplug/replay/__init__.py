@@ -13,7 +13,7 @@ ratios share one denominator.
 | `arms` | the `CacheArm` interface and `KVPlugArm`, kvplug's cache with one policy |
 | `vllm_stock` | the `vllm-stock` and `vllm-kvplug:<policy>` arms: vLLM's own cache manager |
 | `sglang_stock` | the `sglang-stock:<policy>` arm: SGLang's own radix cache |
-| `runner` | arms x capacities, one `ReplayRow` each, and `belady`'s oracle |
+| `runner` | arms x capacities, one `ReplayRow` each, and the offline policies' oracles |
 | `hybrid` | the hybrid replay: capacity in bytes, junction and per-kind hits, `HybridRow` |
 | `vllm_hybrid` | vLLM's own hybrid coordinator (and kvplug's pool) as a hybrid arm |
 | `sglang_hybrid` | SGLang's unified radix cache with SWA / Mamba components as a hybrid arm |

@@ -1,6 +1,7 @@
 """Run a trace through several arms at several capacities and collect one row per pair.
 
-Arm names: any registered kvplug policy (``lru``, ``cost``, ``belady``, ...), ``vllm-stock``
+Arm names: any registered kvplug policy (``lru``, ``cost``, ``belady``, ``rate-oracle``, ...),
+``vllm-stock``
 (vLLM's own KVCacheManager), ``vllm-kvplug:<policy>`` (that same manager with kvplug's
 block pool, as ``--scheduler-cls kvplug.vllm.Scheduler`` builds it; any online policy) and
 ``sglang-stock:<policy>`` (SGLang's own radix cache with its eviction policy ``<policy>``)
@@ -21,8 +22,15 @@ from inspect import signature
 from kvplug.core.index import Node
 from kvplug.core.model_spec import ModelSpec
 from kvplug.errors import KVPlugError, UnknownPolicyError
-from kvplug.policies import EvictionPolicy, available_policies, make_policy, policy_class
+from kvplug.policies import (
+    OFFLINE_POLICIES,
+    EvictionPolicy,
+    available_policies,
+    make_policy,
+    policy_class,
+)
 from kvplug.policies.belady import BeladyPolicy
+from kvplug.policies.rate_oracle import RateOraclePolicy
 from kvplug.replay.arms import ArmUnavailable, CacheArm, KVPlugArm
 from kvplug.replay.loop import Job, Timing, make_jobs, replay
 from kvplug.replay.trace import Trace
@@ -61,7 +69,7 @@ def check_arm_names(names: list[str]) -> None:
         base = name.split(":", 1)[0]
         if name in known or base in STOCK_ARMS:
             continue
-        if base in ENGINE_ARMS and name.partition(":")[2] in set(known) - {"belady"}:
+        if base in ENGINE_ARMS and name.partition(":")[2] in set(known) - set(OFFLINE_POLICIES):
             continue
         raise UnknownPolicyError(
             f"unknown arm {name!r}; accepted: {', '.join(known)}, vllm-stock, "
@@ -104,13 +112,18 @@ def build_arm(
 
         return SGLangStockArm(capacity, policy=name.partition(":")[2] or "lru")
     arm = KVPlugArm(name, arm_policy(name, block_tokens), capacity)
-    if isinstance(arm.cache.policy, BeladyPolicy):
-        arm.cache.policy.set_oracle(future_uses(jobs, arm, sequential))
+    policy = arm.cache.policy
+    if isinstance(policy, BeladyPolicy):
+        policy.set_oracle(future_uses(jobs, arm, sequential))
+    elif isinstance(policy, RateOraclePolicy):
+        uses = requests_reaching(jobs, arm, sequential)
+        policy.set_oracle(lambda node: len(uses.get(node.key, ())))
     return arm
 
 
-def future_uses(jobs: list[Job], arm: KVPlugArm, sequential: bool) -> Callable[[Node, int], float]:
-    """The oracle for `belady`: the next request after `now` whose lookup can reach a node."""
+def requests_reaching(jobs: list[Job], arm: KVPlugArm, sequential: bool) -> dict[bytes, list[int]]:
+    """Each block key of `arm`'s cache -> the indices of the requests whose lookup can
+    reach it, in order: the future that the offline policies read."""
     cache = arm.cache
     root = cache.hasher.root_key(cache.resolve_namespace())
     uses: dict[bytes, list[int]] = defaultdict(list)
@@ -120,6 +133,12 @@ def future_uses(jobs: list[Job], arm: KVPlugArm, sequential: bool) -> Callable[[
         for unit in job.prompt[:reachable]:
             key = cache.hasher.block_key(key, (unit,))
             uses[key].append(job.index)
+    return uses
+
+
+def future_uses(jobs: list[Job], arm: KVPlugArm, sequential: bool) -> Callable[[Node, int], float]:
+    """The oracle for `belady`: the next request after `now` whose lookup can reach a node."""
+    uses = requests_reaching(jobs, arm, sequential)
 
     def next_use(node: Node, now: int) -> float:
         times = uses.get(node.key)

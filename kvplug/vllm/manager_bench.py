@@ -62,7 +62,7 @@ from kvplug.core.model_spec import load_model
 from kvplug.errors import ConfigError, KVPlugError, UnknownPolicyError
 from kvplug.hybrid.policy import HYBRID_POLICIES
 from kvplug.hybrid.spec import HYBRID_PRESETS, HybridSpec
-from kvplug.policies import available_policies
+from kvplug.policies import OFFLINE_POLICIES, available_policies
 from kvplug.replay.hybrid import capacity_bytes_for
 from kvplug.replay.loop import Job, make_jobs
 from kvplug.replay.runner import arm_policy
@@ -156,7 +156,9 @@ def check_policies(policies: list[str], hybrid: bool) -> None:
     """Raise, naming what is accepted, unless `policies` are distinct online kvplug policies
     (for a hybrid model, one of `HYBRID_POLICIES`)."""
     accepted = (
-        list(HYBRID_POLICIES) if hybrid else [p for p in available_policies() if p != "belady"]
+        list(HYBRID_POLICIES)
+        if hybrid
+        else [p for p in available_policies() if p not in OFFLINE_POLICIES]
     )
     bad = [p for p in policies if p not in accepted]
     if not policies or bad or len(set(policies)) < len(policies):
