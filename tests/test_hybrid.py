@@ -261,9 +261,9 @@ def test_cost_ghost_history_is_sized_in_ranked_records(monkeypatch):
             key = hash((key, unit))
         keys[key] = req
     newest = keys[next(reversed(policy._ghosts))]  # the latest eviction
-    reused = sum(policy._reused.values())
+    reused = sum(policy._reused)
     cache.admit(99, [newest * 10 + i for i in range(4)], 4, cacheable=4)
-    assert sum(policy._reused.values()) == reused + 1  # its trial closed as reused
+    assert sum(policy._reused) == reused + 1  # its trial closed as reused
 
 
 _OPS = st.lists(

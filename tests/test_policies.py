@@ -19,9 +19,10 @@ from kvplug.policies.base import EvictionPolicy
 from kvplug.policies.cost import CostPolicy
 from kvplug.policies.gdsf import GDSFPolicy
 from kvplug.policies.learned import LearnedPolicy
+from kvplug.policies.rate_oracle import ReturningOraclePolicy
 from kvplug.policies.shadow import ShadowCache, sampled
 
-BUILTIN = ["belady", "cost", "gdsf", "learned", "lfu", "lru", "rate-oracle"]
+BUILTIN = ["belady", "cost", "gdsf", "learned", "lfu", "lru", "rate-oracle", "returning-oracle"]
 
 
 def test_registry_lists_every_builtin_policy() -> None:
@@ -33,7 +34,7 @@ def test_registry_lists_every_builtin_policy() -> None:
 def test_unknown_policy_lists_the_known_ones() -> None:
     with pytest.raises(
         UnknownPolicyError,
-        match="known policies: belady, cost, gdsf, learned, lfu, lru, rate-oracle",
+        match="known policies: belady, cost, gdsf, learned, lfu, lru, rate-oracle, returning-",
     ):
         make_policy("arc")
 
@@ -207,6 +208,21 @@ TestInvariantsUnderCost = _machine_under("cost")
 TestInvariantsUnderLearned = _machine_under("learned")
 TestInvariantsUnderBelady = _machine_under("belady")
 TestInvariantsUnderRateOracle = _machine_under("rate-oracle")
+TestInvariantsUnderReturningOracle = _machine_under("returning-oracle")
+
+
+def test_returning_oracle_knows_a_count_only_once_the_prefix_returned() -> None:
+    policy = ReturningOraclePolicy()
+    policy.set_requests({b"a": [0, 5, 9], b"b": [3], b"c": [1, 2]})
+    assert policy.prior == 2.0  # (3 + 1 + 2) / 3 keys
+    a, b, unseen = _Node(0, 0, None), _Node(1, 0, None), _Node(2, 0, None)
+    a.key, b.key, unseen.key = b"a", b"b", b"z"
+    known = []
+    for now in (0, 4, 5, 9):
+        policy.now = now
+        known.append((policy.known_uses(a), policy.known_uses(b), policy.known_uses(unseen)))
+    # a: reached once until request 5 returns to it, then its whole count (3); b never returns
+    assert known == [(2.0, 2.0, 2.0), (2.0, 2.0, 2.0), (3, 2.0, 2.0), (3, 2.0, 2.0)]
 
 
 @pytest.mark.parametrize("name", OFFLINE_POLICIES)

@@ -243,7 +243,9 @@ def _by_hand() -> Trace:
 # lru at 4: r1, r3 hit both; r4 hits 1, evicts 4 (the leaf released first; churn); r5 hits
 # 3 and evicts 2. belady at 4 evicts 2 instead (never used again), so r5 hits both.
 # rate-oracle at 4 keeps 2 (three requests reach it, against two for 4), so r5 finds only
-# 3 and evicts 5: it knows how often a block returns, not when.
+# 3 and evicts 5: it knows how often a block returns, not when. returning-oracle makes the
+# same choices: at r4 block 4 (reached by r2 only so far: the mean count, 12 / 5 = 2.4)
+# goes before 2 (three requests, known since r1), and at r5 block 5 (2.4) before 2.
 # At 6 blocks nothing is evicted: every arm hits 2 + 2 + 1 + 2 blocks.
 BY_HAND = {
     ("lru", 2): (3, 7, 4),
@@ -254,6 +256,9 @@ BY_HAND = {
     ("rate-oracle", 2): (3, 7, 4),
     ("rate-oracle", 4): (6, 2, 2),
     ("rate-oracle", 6): (7, 0, 0),
+    ("returning-oracle", 2): (3, 7, 4),
+    ("returning-oracle", 4): (6, 2, 2),
+    ("returning-oracle", 6): (7, 0, 0),
     ("lru", 6): (7, 0, 0),
     ("belady", 6): (7, 0, 0),
     ("cost", 6): (7, 0, 0),
@@ -298,7 +303,8 @@ def test_runner_reports_every_arm_and_capacity() -> None:
     per_block = 512 * MODEL.kv_bytes_per_token()
     assert rows[6].bytes_held == pytest.approx((2 + 2 + 4 + 4 + 5 + 5) / 6 * per_block)
 
-    oracle = run_replay(_by_hand(), ["rate-oracle"], [2, 4, 6], MODEL, sequential=True)
+    oracles = ["rate-oracle", "returning-oracle"]
+    oracle = run_replay(_by_hand(), oracles, [2, 4, 6], MODEL, sequential=True)
     _check_by_hand([r.as_dict() for r in oracle])
 
     realistic = run_replay(

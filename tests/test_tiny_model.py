@@ -65,3 +65,27 @@ def test_unknown_arch_raises(tmp_path):
     with pytest.raises(ValueError, match="llama, gemma3"):
         build_tiny_model(tmp_path, "mamba")
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("arch", "layers"), [("llama", 3), ("gemma3", 6)])
+def test_a_larger_size_keeps_head_dim_and_layer_pattern(tmp_path, arch, layers):
+    path = build_tiny_model(tmp_path, arch, hidden_size=256, num_layers=layers)
+    config = transformers.AutoConfig.from_pretrained(path)
+    assert (config.hidden_size, config.num_hidden_layers) == (256, layers)
+    assert (config.head_dim, config.num_attention_heads, config.num_key_value_heads) == (32, 8, 4)
+    if arch == "gemma3":
+        assert config.layer_types == ["sliding_attention", "full_attention"] * 3
+
+
+@pytest.mark.parametrize(
+    ("size", "match"),
+    [
+        ({"hidden_size": 100}, "hidden_size must be a multiple of 32"),
+        ({"num_layers": 0}, "num_layers must be at least 1"),
+        ({"arch": "gemma3", "num_layers": 3}, "a multiple of 2"),
+    ],
+)
+def test_a_bad_size_is_refused_before_writing(tmp_path, size, match):
+    with pytest.raises(ValueError, match=match):
+        build_tiny_model(tmp_path, **size)
+    assert not any(tmp_path.iterdir())

@@ -74,9 +74,8 @@ class JunctionCostPolicy(CostPolicy):
         self._trial[serial] = code
         probability = self._probability.get(code)
         if probability is None:
-            if code not in self._classes:
-                self._classes[code] = self.classify(node)
-            probability = self._probability[code] = self.reuse_probability(self._classes[code])
+            self._name_class(code, node)
+            probability = self._probability[code] = self._probability_of(code)
         return (1 + min(node.hits, 3)) * probability
 
     def rank(self, node: HybridRecord) -> float:  # type: ignore[override]

@@ -27,7 +27,7 @@ from kvplug.policies.gdsf import GDSFPolicy
 from kvplug.policies.learned import LearnedPolicy
 from kvplug.policies.lfu import LFUPolicy
 from kvplug.policies.lru import LRUPolicy
-from kvplug.policies.rate_oracle import RateOraclePolicy
+from kvplug.policies.rate_oracle import RateOraclePolicy, ReturningOraclePolicy
 
 ENTRY_POINT_GROUP = "kvplug.policies"
 
@@ -41,10 +41,11 @@ _BUILTIN: dict[str, type[EvictionPolicy]] = {
         LearnedPolicy,
         BeladyPolicy,
         RateOraclePolicy,
+        ReturningOraclePolicy,
     )
 }
 # Policies that need every request in advance: trace replays only, never an engine.
-OFFLINE_POLICIES = ("belady", "rate-oracle")
+OFFLINE_POLICIES = ("belady", "rate-oracle", "returning-oracle")
 
 
 def _registry() -> dict[str, type[EvictionPolicy]]:

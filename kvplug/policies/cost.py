@@ -32,7 +32,7 @@ the next victim and pushes out nothing better.
 
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -67,8 +67,10 @@ class CostPolicy(RankedPolicy):
         # so a ghost allocates nothing the garbage collector tracks
         self._ghosts: OrderedDict[bytes, int] = OrderedDict()
         self._ghost_capacity = 0
-        self._tried: dict[ReuseClass, int] = defaultdict(int)
-        self._reused: dict[ReuseClass, int] = defaultdict(int)
+        # closed trials and reuses per class code (codes are below 1024)
+        self._tried: list[int] = [0] * 1024
+        self._reused: list[int] = [0] * 1024
+        self._codes: dict[ReuseClass, int] = {}  # class -> its code, `_classes` reversed
         # code -> reuse_probability(its class), while no trial of it closed since
         self._probability: dict[int, float] = {}
         # whether `rank` is this class's own (then `release_n` ranks a batch in one loop)
@@ -81,7 +83,18 @@ class CostPolicy(RankedPolicy):
 
     def reuse_probability(self, cls: ReuseClass) -> float:
         """Laplace-smoothed share of closed trials in `cls` that ended in a reuse."""
-        return (self._reused[cls] + 1) / (self._tried[cls] + 2)
+        code = self._codes.get(cls)
+        return 0.5 if code is None else self._probability_of(code)
+
+    def _probability_of(self, code: int) -> float:
+        """`reuse_probability` of the class with this code."""
+        return (self._reused[code] + 1) / (self._tried[code] + 2)
+
+    def _name_class(self, code: int, node: CachedNode) -> None:
+        """Remember that `code` stands for `node`'s class (the first time it is seen)."""
+        if code not in self._classes:
+            cls = self._classes[code] = self.classify(node)
+            self._codes[cls] = code
 
     def reuses(self, node: CachedNode) -> int:
         return node.hits + self._credit.get(node.serial, 0)
@@ -123,10 +136,8 @@ class CostPolicy(RankedPolicy):
             trial[serial] = code
             probability = cached.get(code)
             if probability is None:
-                cls = self._classes.get(code)
-                if cls is None:
-                    cls = self._classes[code] = self.classify(node)
-                probability = cached[code] = self.reuse_probability(cls)
+                self._name_class(code, node)
+                probability = cached[code] = self._probability_of(code)
             depth = node.depth
             value = by_depth[depth] if depth < deepest else self.value(node)
             credits.append((1 + (hits if hits < 3 else 3)) * probability * value)
@@ -175,11 +186,13 @@ class CostPolicy(RankedPolicy):
             self._credit.pop(serial, None)
 
     def _close(self, code: int, reused: bool) -> None:
-        cls = self._classes[code]
-        self._tried[cls] += 1
-        self._reused[cls] += reused
+        self._tried[code] += 1
+        self._reused[code] += reused
         self._probability.pop(code, None)
 
     def learned(self) -> dict[ReuseClass, tuple[int, float]]:
         """Each class seen so far: (closed trials, estimated reuse probability)."""
-        return {cls: (n, self.reuse_probability(cls)) for cls, n in self._tried.items()}
+        return {
+            cls: (self._tried[code], self._probability_of(code))
+            for code, cls in self._classes.items()
+        }

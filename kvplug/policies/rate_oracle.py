@@ -12,11 +12,17 @@ knows every rate exactly does no worse than one that must learn them. On a trace
 reuses arrive at random times, it bounds what an online policy that predicts *how often*
 a prefix returns can reach; `belady` also knows *when*. The ranks never change, so every
 operation is O(log n).
+
+`returning-oracle` knows less: a prefix's count only once it has returned (a second
+request has reached it); until then, the trace's mean count per prefix. It tells how much
+of `rate-oracle`'s gain needs only the future of prefixes already seen coming back, which
+is what an online policy could hope to estimate from their past.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from bisect import bisect_right
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvplug.errors import ConfigError
@@ -32,7 +38,7 @@ class RateOraclePolicy(RankedPolicy):
 
     def __init__(
         self,
-        uses: Callable[[CachedNode], int] | None = None,
+        uses: Callable[[CachedNode], float] | None = None,
         model: str | None = None,
         tokens_per_block: int | None = None,
     ) -> None:
@@ -43,7 +49,7 @@ class RateOraclePolicy(RankedPolicy):
     def bind(self, block_size: int, num_blocks: int) -> None:
         self.value.bind(block_size)
 
-    def set_oracle(self, uses: Callable[[CachedNode], int]) -> None:
+    def set_oracle(self, uses: Callable[[CachedNode], float]) -> None:
         self._uses = uses
 
     def rank(self, node: CachedNode) -> float:
@@ -53,3 +59,33 @@ class RateOraclePolicy(RankedPolicy):
                 "trace replays"
             )
         return self._uses(node) * self.value(node)
+
+
+class ReturningOraclePolicy(RateOraclePolicy):
+    """`rate-oracle` that knows a prefix's count only after it has returned (module doc).
+
+    The replay gives it, per block key, the indices of the requests that reach it
+    (`set_requests`) and advances `now`, the index of the request being admitted. A block
+    ranks as ``uses * value``, where ``uses`` is its count over the whole trace if at least
+    two requests up to `now` reached it, else the mean count of the trace's keys (each key
+    passes through "reached once" exactly once, so this is the expected count given what
+    is known)."""
+
+    name = "returning-oracle"
+
+    def __init__(self, model: str | None = None, tokens_per_block: int | None = None) -> None:
+        super().__init__(None, model, tokens_per_block)
+        self.now = 0
+        self._requests: Mapping[Hashable, Sequence[int]] = {}
+        self.prior = 1.0
+
+    def set_requests(self, requests: Mapping[Hashable, Sequence[int]]) -> None:
+        """`requests`: each block key -> the sorted indices of the requests reaching it."""
+        self._requests = requests
+        counts = [len(indices) for indices in requests.values()]
+        self.prior = sum(counts) / len(counts) if counts else 1.0
+        self.set_oracle(self.known_uses)
+
+    def known_uses(self, node: CachedNode) -> float:
+        indices = self._requests.get(node.key, ())
+        return len(indices) if bisect_right(indices, self.now) >= 2 else self.prior

@@ -30,7 +30,7 @@ from kvplug.policies import (
     policy_class,
 )
 from kvplug.policies.belady import BeladyPolicy
-from kvplug.policies.rate_oracle import RateOraclePolicy
+from kvplug.policies.rate_oracle import RateOraclePolicy, ReturningOraclePolicy
 from kvplug.replay.arms import ArmUnavailable, CacheArm, KVPlugArm
 from kvplug.replay.loop import Job, Timing, make_jobs, replay
 from kvplug.replay.trace import Trace
@@ -115,6 +115,8 @@ def build_arm(
     policy = arm.cache.policy
     if isinstance(policy, BeladyPolicy):
         policy.set_oracle(future_uses(jobs, arm, sequential))
+    elif isinstance(policy, ReturningOraclePolicy):
+        policy.set_requests(requests_reaching(jobs, arm, sequential))
     elif isinstance(policy, RateOraclePolicy):
         uses = requests_reaching(jobs, arm, sequential)
         policy.set_oracle(lambda node: len(uses.get(node.key, ())))
@@ -207,7 +209,7 @@ def _explain(arm: CacheArm) -> dict | None:
 
 def _clock(arm: CacheArm) -> Callable[[Job], None] | None:
     policy = getattr(getattr(arm, "cache", None), "policy", None)
-    if isinstance(policy, BeladyPolicy):
+    if isinstance(policy, (BeladyPolicy, ReturningOraclePolicy)):  # they read the clock
 
         def tick(job: Job) -> None:
             policy.now = job.index

@@ -4,7 +4,7 @@
 tokenizer files with a chat template) that vLLM and transformers load like any
 downloaded checkpoint, without network access:
 
-- ``"llama"``: a 2-layer `LlamaForCausalLM`;
+- ``"llama"``: a 2-layer `LlamaForCausalLM` (by default; see `build_tiny_model`);
 - ``"gemma3"``: a 4-layer text-only `Gemma3ForCausalLM` (``model_type`` ``"gemma3_text"``)
   whose layers alternate sliding-window (window 64) and full attention, so vLLM builds a
   hybrid KV cache with one sliding-window group and one full-attention group.
@@ -78,14 +78,34 @@ one two three four five six seven eight nine ten hundred
 _WORDS = _VOCABULARY.split()
 
 
-def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0) -> Path:
+def build_tiny_model(
+    path: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int | None = None,
+) -> Path:
     """Write a tiny random-weight model of `arch` ("llama" or "gemma3") into `path`.
 
     The directory gets config.json, safetensors weights (float32), tokenizer files and
-    generation_config.json. Returns `path` as a `Path`. Same `seed`, same files.
+    generation_config.json. Returns `path` as a `Path`. Same arguments, same files.
+
+    `hidden_size` (a multiple of 32, at least 64: heads of 32, half as many KV heads) and
+    `num_layers` (llama: 2; gemma3: 4, a multiple of 2) make a model whose prefill costs
+    more than the scheduler's step, as a real model's does: a server A/B then shows what
+    saved prefill is worth in time (``hidden_size=256, num_layers=4``: 2.6M parameters,
+    the README's server A/B).
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    if hidden_size < 64 or hidden_size % 32:
+        raise ValueError(f"hidden_size must be a multiple of 32, at least 64; got {hidden_size}")
+    layers = num_layers if num_layers is not None else (2 if arch == "llama" else 4)
+    if layers < 1 or (arch == "gemma3" and layers % 2):
+        raise ValueError(
+            f"num_layers must be at least 1 (gemma3: a multiple of 2, sliding and full "
+            f"attention alternating); got {num_layers}"
+        )
 
     import torch
     import transformers
@@ -96,10 +116,10 @@ def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0) -> Pa
     tokenizer = _build_tokenizer()
     shared = {  # both architectures' sizes and special tokens
         "vocab_size": VOCAB_SIZE,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_attention_heads": hidden_size // 32,
+        "num_key_value_heads": max(1, hidden_size // 64),
         "head_dim": 32,
         "max_position_embeddings": MAX_POSITIONS,
         "initializer_range": INIT_STD,
@@ -111,14 +131,14 @@ def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0) -> Pa
         "eos_token_id": tokenizer.eos_token_id,
     }
     if arch == "llama":
-        config: Any = transformers.LlamaConfig(num_hidden_layers=2, **shared)
+        config: Any = transformers.LlamaConfig(num_hidden_layers=layers, **shared)
         model_cls: Any = transformers.LlamaForCausalLM
     else:
         config = transformers.Gemma3TextConfig(
-            num_hidden_layers=len(GEMMA3_LAYER_TYPES),
+            num_hidden_layers=layers,
             query_pre_attn_scalar=32,
             sliding_window=SLIDING_WINDOW,
-            layer_types=list(GEMMA3_LAYER_TYPES),
+            layer_types=GEMMA3_LAYER_TYPES[:2] * (layers // 2),
             **shared,
         )
         model_cls = transformers.Gemma3ForCausalLM
