@@ -75,7 +75,7 @@ class JunctionCostPolicy(CostPolicy):
         probability = self._probability.get(code)
         if probability is None:
             self._name_class(code, node)
-            probability = self._probability[code] = self._probability_of(code)
+            probability = self._probability[code] = self.reuse_probability(code)
         return (1 + min(node.hits, 3)) * probability
 
     def rank(self, node: HybridRecord) -> float:  # type: ignore[override]

@@ -70,7 +70,6 @@ class CostPolicy(RankedPolicy):
         # closed trials and reuses per class code (codes are below 1024)
         self._tried: list[int] = [0] * 1024
         self._reused: list[int] = [0] * 1024
-        self._codes: dict[ReuseClass, int] = {}  # class -> its code, `_classes` reversed
         # code -> reuse_probability(its class), while no trial of it closed since
         self._probability: dict[int, float] = {}
         # whether `rank` is this class's own (then `release_n` ranks a batch in one loop)
@@ -81,20 +80,15 @@ class CostPolicy(RankedPolicy):
         self.value.bind(block_size)
         self._ghost_capacity = int(self.ghost_ratio * num_blocks)
 
-    def reuse_probability(self, cls: ReuseClass) -> float:
-        """Laplace-smoothed share of closed trials in `cls` that ended in a reuse."""
-        code = self._codes.get(cls)
-        return 0.5 if code is None else self._probability_of(code)
-
-    def _probability_of(self, code: int) -> float:
-        """`reuse_probability` of the class with this code."""
+    def reuse_probability(self, code: int) -> float:
+        """Laplace-smoothed share of closed trials in the class with this code that ended
+        in a reuse."""
         return (self._reused[code] + 1) / (self._tried[code] + 2)
 
     def _name_class(self, code: int, node: CachedNode) -> None:
         """Remember that `code` stands for `node`'s class (the first time it is seen)."""
         if code not in self._classes:
-            cls = self._classes[code] = self.classify(node)
-            self._codes[cls] = code
+            self._classes[code] = self.classify(node)
 
     def reuses(self, node: CachedNode) -> int:
         return node.hits + self._credit.get(node.serial, 0)
@@ -137,7 +131,7 @@ class CostPolicy(RankedPolicy):
             probability = cached.get(code)
             if probability is None:
                 self._name_class(code, node)
-                probability = cached[code] = self._probability_of(code)
+                probability = cached[code] = self.reuse_probability(code)
             depth = node.depth
             value = by_depth[depth] if depth < deepest else self.value(node)
             credits.append((1 + (hits if hits < 3 else 3)) * probability * value)
@@ -193,6 +187,6 @@ class CostPolicy(RankedPolicy):
     def learned(self) -> dict[ReuseClass, tuple[int, float]]:
         """Each class seen so far: (closed trials, estimated reuse probability)."""
         return {
-            cls: (self._tried[code], self._probability_of(code))
+            cls: (self._tried[code], self.reuse_probability(code))
             for code, cls in self._classes.items()
         }

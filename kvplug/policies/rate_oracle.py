@@ -44,6 +44,7 @@ class RateOraclePolicy(RankedPolicy):
     ) -> None:
         super().__init__()
         self._uses = uses
+        self._requests: Mapping[Hashable, Sequence[int]] = {}
         self.value = BlockValue(model, tokens_per_block)
 
     def bind(self, block_size: int, num_blocks: int) -> None:
@@ -51,6 +52,12 @@ class RateOraclePolicy(RankedPolicy):
 
     def set_oracle(self, uses: Callable[[CachedNode], float]) -> None:
         self._uses = uses
+
+    def set_requests(self, requests: Mapping[Hashable, Sequence[int]]) -> None:
+        """`requests`: each block key -> the sorted indices of the requests reaching it
+        (what the replay knows in advance); a block's count is its number of requests."""
+        self._requests = requests
+        self.set_oracle(lambda node: len(requests.get(node.key, ())))
 
     def rank(self, node: CachedNode) -> float:
         if self._uses is None:
@@ -76,11 +83,9 @@ class ReturningOraclePolicy(RateOraclePolicy):
     def __init__(self, model: str | None = None, tokens_per_block: int | None = None) -> None:
         super().__init__(None, model, tokens_per_block)
         self.now = 0
-        self._requests: Mapping[Hashable, Sequence[int]] = {}
         self.prior = 1.0
 
     def set_requests(self, requests: Mapping[Hashable, Sequence[int]]) -> None:
-        """`requests`: each block key -> the sorted indices of the requests reaching it."""
         self._requests = requests
         counts = [len(indices) for indices in requests.values()]
         self.prior = sum(counts) / len(counts) if counts else 1.0

@@ -115,11 +115,8 @@ def build_arm(
     policy = arm.cache.policy
     if isinstance(policy, BeladyPolicy):
         policy.set_oracle(future_uses(jobs, arm, sequential))
-    elif isinstance(policy, ReturningOraclePolicy):
+    elif isinstance(policy, RateOraclePolicy):  # and returning-oracle
         policy.set_requests(requests_reaching(jobs, arm, sequential))
-    elif isinstance(policy, RateOraclePolicy):
-        uses = requests_reaching(jobs, arm, sequential)
-        policy.set_oracle(lambda node: len(uses.get(node.key, ())))
     return arm
 
 
