@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvplug.cli import main
 from kvplug.core.events import BlockRemoved, BlockStored
 from kvplug.core.model_spec import load_model
 from kvplug.errors import ConfigError, KVPlugError, UnknownPolicyError, UnknownRouterError
 from kvplug.fleet.loop import replay_fleet
-from kvplug.fleet.report import render
+from kvplug.fleet.report import render, sign_test
 from kvplug.fleet.router import ROUTERS, CacheAware, LeastLoaded, RoundRobin, make_router
 from kvplug.fleet.runner import build_fleet, run_fleet
 from kvplug.fleet.view import EventFeed, KeyScheme, PrefixView
@@ -178,6 +180,50 @@ def test_report_renders_every_format(small_trace):
     assert render(rows, "csv").splitlines()[0].startswith("router,policy,engines")
 
 
+def test_fleet_runs_every_timing_and_reports_the_spread(small_trace):
+    """Each timing is a run of its own, tagged with its speeds; the table then gives each
+    cell's spread and the paired comparison with lru under the same timing."""
+    timings = [Timing(20_000.0, 30.0), Timing(20_000.0, 50.0), Timing(10_000.0, 40.0)]
+    rows = run_fleet(
+        small_trace, ["least-loaded"], ["lru", "cost"], [2], [200], MODEL, timings=timings
+    )
+    assert [(r.prefill_tps, r.decode_tps, r.policy) for r in rows] == [
+        (t.prefill_tps, t.decode_tps, policy) for t in timings for policy in ("lru", "cost")
+    ]
+    single = run_fleet(small_trace, ["least-loaded"], ["cost"], [2], [200], MODEL,
+                       timings=[timings[2]])  # fmt: skip
+    assert single[0].saved_flops == rows[5].saved_flops  # a timing's run does not depend on others
+    lines = render(rows, "table").splitlines()
+    assert "sign p" in lines[0]
+    lru_line, cost_line = lines[2:4]
+    assert lru_line.split()[3:5] == ["lru", "3"] and "/" not in lru_line.split()[-1]
+    diffs = [100 * (cost.saved_compute_ratio - lru.saved_compute_ratio) for lru, cost in
+             zip(rows[0::2], rows[1::2], strict=True)]  # fmt: skip
+    ahead = sum(d > 0 for d in diffs)
+    assert cost_line.split()[3:5] == ["cost", "3"]
+    assert f"{ahead}/3" in cost_line
+    assert f"{sign_test(ahead, sum(d < 0 for d in diffs)):.3f}" in cost_line
+    assert "sign p" not in render(rows[:2], "table")  # one timing: the per-run table
+
+
+def test_sign_test_examples():
+    assert sign_test(0, 0) == 1.0
+    assert sign_test(6, 0) == 1 / 64
+    assert sign_test(3, 3) == 42 / 64
+    assert sign_test(0, 5) == 1.0
+
+
+@given(st.integers(0, 60), st.integers(0, 60))
+def test_sign_test_is_a_tail_probability(ahead, behind):
+    """p lies in (0, 1], never rises as wins are added, and the two tails of the same
+    flips cover every outcome exactly once."""
+    p = sign_test(ahead, behind)
+    assert 0.0 < p <= 1.0
+    assert sign_test(ahead + 1, behind) <= p
+    if ahead:
+        assert sign_test(ahead, behind) + sign_test(behind + 1, ahead - 1) == pytest.approx(1.0)
+
+
 # ---------------------------------------------------------------- the command
 
 
@@ -205,6 +251,9 @@ def test_replay_command_runs_a_fleet(small_trace, tmp_path):
         (["--engines", "2", "--policy", "vllm-stock"], "cannot run in a fleet replay"),
         (["--engines", "2", "--sequential"], "do not apply to the fleet replay"),
         (["--router", "cache-aware"], "--router applies to the fleet replay only"),
+        (["--decode-tps", "30,40"], "apply to the fleet replay only (--engines N)"),
+        (["--engines", "2", "--prefill-tps", "0"], "--prefill-tps: expected positive numbers"),
+        (["--engines", "2", "--decode-tps", "fast"], "--decode-tps: expected comma-separated"),
     ],
 )
 def test_replay_command_rejects_bad_fleet_options(args, message):

@@ -3,6 +3,11 @@
 The table has one line per fleet capacity x engine count x router x policy. ``vs rr/lru``
 is the row's saved compute minus round-robin with ``lru`` at the same capacity and engine
 count, in points; per-engine columns list each engine's saved compute in percent.
+
+Run under several timings, the table is the spread instead: per capacity x engine count x
+router x policy, saved compute's median and range over the timings, and, against `lru`
+under the same router, capacity, engine count and timing, the median difference, in how
+many timings the policy was ahead, and a one-sided sign test's p (ties left out).
 """
 
 from __future__ import annotations
@@ -10,6 +15,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections import defaultdict
+from math import comb
+from statistics import median
 
 from kvplug.fleet.runner import FleetRow
 
@@ -26,7 +34,8 @@ def render(rows: list[FleetRow], fmt: str) -> str:
         writer.writeheader()
         writer.writerows(flat)
         return out.getvalue()
-    return table(rows)
+    timings = {(r.prefill_tps, r.decode_tps) for r in rows}
+    return table(rows) if len(timings) == 1 else spread_table(rows)
 
 
 def _flat(row: FleetRow) -> dict:
@@ -65,4 +74,43 @@ def table(rows: list[FleetRow]) -> str:
             f"{r.load_imbalance:>8.3f}x {r.stale_ratio:>6.3f} {r.mispredicted_ratio:>7.3f} "
             f"{r.preemptions:>7}  {per_engine}"
         )
+    return "\n".join(lines)
+
+
+def sign_test(ahead: int, behind: int) -> float:
+    """One-sided sign test: the chance of `ahead` or more wins in `ahead + behind` fair
+    coin flips (1.0 when there are none)."""
+    n = ahead + behind
+    return sum(comb(n, k) for k in range(ahead, n + 1)) / 2**n if n else 1.0
+
+
+def spread_table(rows: list[FleetRow]) -> str:
+    """The spread over timings (module doc): one line per cell and policy."""
+    # (capacity, engines, router, policy) -> (prefill tps, decode tps) -> saved compute, %
+    saved: dict[tuple, dict[tuple[float, float], float]] = defaultdict(dict)
+    for r in rows:
+        cell = (r.capacity_blocks, r.engines, r.router, r.policy)
+        saved[cell][(r.prefill_tps, r.decode_tps)] = 100 * r.saved_compute_ratio
+    header = (
+        f"{'capacity':>8} {'N':>2} {'router':<12} {'policy':<7} {'runs':>4} "
+        f"{'saved: median [range] %':<24} {'vs lru: median [range] pt':<26} {'ahead':>7} "
+        f"{'sign p':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    last_group = None
+    for cell, by_timing in saved.items():
+        capacity, engines, router, policy = cell
+        if last_group is not None and (capacity, engines) != last_group:
+            lines.append("")
+        last_group = (capacity, engines)
+        values = list(by_timing.values())
+        spread = f"{median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+        line = f"{capacity:>8} {engines:>2} {router:<12} {policy:<7} {len(values):>4} {spread:<24}"
+        lru = saved.get((capacity, engines, router, "lru"), {})
+        diffs = [value - lru[timing] for timing, value in by_timing.items() if timing in lru]
+        if policy != "lru" and diffs:
+            ahead, behind = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+            versus = f"{median(diffs):+.2f} [{min(diffs):+.2f}..{max(diffs):+.2f}]"
+            line += f" {versus:<26} {f'{ahead}/{len(diffs)}':>7} {sign_test(ahead, behind):>7.3f}"
+        lines.append(line.rstrip())
     return "\n".join(lines)

@@ -1,10 +1,13 @@
-"""Run a trace through fleets: every router x policy x engine count x fleet capacity, one
-`FleetRow` each.
+"""Run a trace through fleets: every timing x router x policy x engine count x fleet
+capacity, one `FleetRow` each.
 
 A fleet capacity is the fleet's total in blocks; each of the N engines gets
 ``capacity // N`` of them (the row reports the total actually used). Every engine runs the
 same kvplug policy, each with its own cache. Only the realistic replay is modelled: with
 one request at a time there is no load to balance.
+
+Several timings (prefill and decode speeds) give one run each: a load-driven router's
+choices follow the engines' timing, so one run is one draw of which engine gets what.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class FleetRow:
     engines: int
     capacity_blocks: int  # the fleet's total: engines x blocks per engine
     event_lag_s: float
+    prefill_tps: float = Timing.prefill_tps
+    decode_tps: float = Timing.decode_tps
     requests: int = 0
     hit_ratio: float = 0.0  # prompt tokens served from cache / prompt tokens, fleet-wide
     saved_compute_ratio: float = 0.0  # prefill FLOPs saved / all prompt FLOPs, fleet-wide
@@ -88,20 +93,21 @@ def run_fleet(
     capacities: Sequence[int],
     model: ModelSpec,
     *,
-    timing: Timing | None = None,
+    timings: Sequence[Timing] = (Timing(),),
     event_lag_s: float = 0.0,
     load_penalty: float = DEFAULT_LOAD_PENALTY,
     progress: Callable[[str], None] | None = None,
 ) -> list[FleetRow]:
-    """One row per capacity x engine count x router x policy, in that nesting order."""
+    """One row per timing x capacity x engine count x router x policy, in that nesting
+    order."""
     check_router_names(routers)
     check_fleet_policies(policies)
     for count in engine_counts:
         check_engine_count(count)
     if not capacities or min(capacities) < 1:
         raise KVPlugError(f"capacities must be positive block counts, got {list(capacities)}")
-    jobs = make_jobs(trace, model)
-    rows = []
+    if not timings:
+        raise KVPlugError("a fleet replay needs at least one timing")
     for capacity in capacities:
         for count in engine_counts:
             if capacity < count:
@@ -109,19 +115,32 @@ def run_fleet(
                     f"a fleet capacity of {capacity} blocks cannot be split across {count} "
                     "engines; give at least one block per engine"
                 )
-            for router in routers:
-                for policy in policies:
-                    row = run_one(
-                        trace.block_tokens, jobs, router, policy, count, capacity // count,
-                        timing=timing or Timing(), event_lag_s=event_lag_s,
-                        load_penalty=load_penalty,
-                    )  # fmt: skip
-                    rows.append(row)
-                    if progress:
-                        progress(
-                            f"{router} / {policy}, {count} engines x {capacity // count} "
-                            f"blocks: {row.seconds:.1f} s"
-                        )
+    jobs = make_jobs(trace, model)
+    rows = []
+    cells = [
+        (timing, capacity, count, router)
+        for timing in timings
+        for capacity in capacities
+        for count in engine_counts
+        for router in routers
+    ]
+    for timing, capacity, count, router in cells:
+        for policy in policies:
+            row = run_one(
+                trace.block_tokens, jobs, router, policy, count, capacity // count,
+                timing=timing, event_lag_s=event_lag_s, load_penalty=load_penalty,
+            )  # fmt: skip
+            rows.append(row)
+            if progress:
+                at = (
+                    f" at {timing.prefill_tps:g}/{timing.decode_tps:g} tps"
+                    if len(timings) > 1
+                    else ""
+                )
+                progress(
+                    f"{router} / {policy}, {count} engines x {capacity // count} blocks{at}: "
+                    f"{row.seconds:.1f} s"
+                )
     return rows
 
 
@@ -183,6 +202,8 @@ def run_one(
         engines=num_engines,
         capacity_blocks=blocks_per_engine * num_engines,
         event_lag_s=event_lag_s,
+        prefill_tps=timing.prefill_tps,
+        decode_tps=timing.decode_tps,
         requests=int(total("requests")),
         hit_ratio=_ratio(total("hit_tokens"), total("prompt_tokens")),
         saved_compute_ratio=_ratio(total("saved_flops"), total("total_flops")),

@@ -52,6 +52,15 @@ def _numbers(text: str, kind: type, what: str) -> list:
     return values
 
 
+def timings_for(prefill_tps: str, decode_tps: str) -> list[Timing]:
+    """Every pairing of the comma-separated prefill and decode speeds."""
+    return [
+        Timing(prefill, decode)
+        for decode in _numbers(decode_tps, float, "--decode-tps")
+        for prefill in _numbers(prefill_tps, float, "--prefill-tps")
+    ]
+
+
 def capacities_for(trace: Trace, blocks: str | None, fractions: str) -> list[int]:
     if blocks:
         return _numbers(blocks, int, "--capacity-blocks")
@@ -69,8 +78,8 @@ def _run(
     capacity_blocks: str | None,
     capacity_fractions: str,
     fmt: str,
-    prefill_tps: float,
-    decode_tps: float,
+    prefill_tps: str,
+    decode_tps: str,
     quiet: bool,
     fleet: FleetSpec | None = None,
     explain: bool = False,
@@ -80,9 +89,15 @@ def _run(
     spec = load_model(model)
     capacities = capacities_for(trace, capacity_blocks, capacity_fractions)
     progress = None if quiet else (lambda msg: click.echo(f"  {msg}", err=True))
-    timing = Timing(prefill_tps, decode_tps)
+    timings = timings_for(prefill_tps, decode_tps)
     mode = "sequential" if sequential else "realistic"
     if fleet is None:
+        if len(timings) > 1:
+            raise click.UsageError(
+                "several --prefill-tps or --decode-tps values apply to the fleet replay only "
+                "(--engines N); give one of each"
+            )
+        (timing,) = timings
         rows = run_replay(
             trace, arms, capacities, spec, sequential=sequential, timing=timing,
             progress=progress,
@@ -91,7 +106,7 @@ def _run(
         what = f"{mode} replay"
     else:
         fleet_rows = run_fleet(
-            trace, fleet.routers, arms, fleet.engine_counts, capacities, spec, timing=timing,
+            trace, fleet.routers, arms, fleet.engine_counts, capacities, spec, timings=timings,
             event_lag_s=fleet.event_lag_s, load_penalty=fleet.load_penalty, progress=progress,
         )  # fmt: skip
         report = render_fleet(fleet_rows, fmt)
@@ -99,6 +114,8 @@ def _run(
             f"fleet replay ({mode}), capacity = the fleet's total; KV events reach the "
             f"router after {fleet.event_lag_s:g} s; load penalty {fleet.load_penalty:g}"
         )
+        if len(timings) > 1:
+            what += f"; {len(timings)} timings (prefill x decode tokens/s), one run each"
     if fmt == "table":
         click.echo(
             f"{trace.name}: {len(trace.requests)} requests, {trace.prompt_blocks:,} prompt blocks "
@@ -145,15 +162,17 @@ _common = [
     click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True),
     click.option(
         "--prefill-tps",
-        default=Timing.prefill_tps,
+        default=f"{Timing.prefill_tps:g}",
         show_default=True,
-        help="Realistic mode: prefill tokens per second.",
+        help="Realistic mode: prefill tokens per second. The fleet replay takes several "
+        "(comma-separated) and runs every pairing with --decode-tps, reporting the spread.",
     ),
     click.option(
         "--decode-tps",
-        default=Timing.decode_tps,
+        default=f"{Timing.decode_tps:g}",
         show_default=True,
-        help="Realistic mode: decode tokens per second per request.",
+        help="Realistic mode: decode tokens per second per request (the fleet replay: "
+        "several, as --prefill-tps).",
     ),
     click.option("--quiet", is_flag=True, help="No progress lines on stderr."),
 ]
