@@ -119,6 +119,35 @@ def test_cost_learns_which_classes_come_back() -> None:
     cache.check_invariants()
 
 
+@given(st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=5), max_size=30))
+@settings(max_examples=40, deadline=None)
+def test_cost_frequency_weight_scales_only_the_reuse_term(prompts) -> None:
+    """With the same requests (and room for all, so that no eviction differs), a cached
+    block's credit under weight w is its odds x value times (1 + w * min(hits, 3)): the
+    weight changes nothing else the policy learns."""
+    caches = {w: KVCache(256, 1, policy=CostPolicy(tokens_per_block=64, frequency_weight=w))
+              for w in (0.0, 0.5, 1.0)}  # fmt: skip
+    for i, prompt in enumerate(prompts):
+        for cache in caches.values():
+            _serve(cache, f"r{i}", [*prompt, 100 + i])
+    learned = {w: cache.policy.learned() for w, cache in caches.items()}
+    assert learned[0.0] == learned[0.5] == learned[1.0]
+    policies = [cache.policy for cache in caches.values()]
+    for prompt in prompts:
+        paths = [cache.match(prompt) for cache in caches.values()]
+        for node_0, node_half, node_1 in zip(*paths, strict=True):
+            assert node_0.hits == node_half.hits == node_1.hits
+            base, hits = policies[0].credit(node_0), min(node_0.hits, 3)
+            assert policies[1].credit(node_half) == pytest.approx(base * (1 + 0.5 * hits))
+            assert policies[2].credit(node_1) == pytest.approx(base * (1 + hits))
+
+
+@pytest.mark.parametrize("weight", [-1, "high", float("nan")])
+def test_cost_rejects_a_bad_frequency_weight(weight) -> None:
+    with pytest.raises(ConfigError, match="frequency_weight must be a number >= 0"):
+        make_policy("cost", frequency_weight=weight)
+
+
 @pytest.mark.parametrize("ghost_ratio", [4, 0], ids=["ghosts", "no ghosts"])
 def test_cost_ghosts_give_back_credit(ghost_ratio: int) -> None:
     cache = KVCache(4, 1, policy=CostPolicy(tokens_per_block=16, ghost_ratio=ghost_ratio))

@@ -457,6 +457,45 @@ def test_replay_cli_json_and_plot(tmp_path) -> None:
     assert plot.stat().st_size > 1000
 
 
+def test_replay_policy_config_reaches_every_arm_that_takes_it() -> None:
+    """`--policy-config` builds each kvplug arm as the engines' `policy_config` would: the
+    replay's figures are those of the policy built with those parameters by hand."""
+    trace = synthetic_trace("multi-turn", seed=1)
+    model, capacity = load_model(None), round(0.25 * trace.distinct_blocks)
+    args = ["replay", "synthetic:multi-turn:1", "--policy", "lru,cost,learned", "--sequential",
+            "--capacity-blocks", str(capacity), "--format", "json", "--quiet",
+            "--policy-config", '{"frequency_weight": 0}']  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    saved = {r["policy"]: r["saved_compute_ratio"] for r in json.loads(result.stdout)}
+    jobs = make_jobs(trace, model)
+    for name in ("cost", "learned"):
+        by_hand = make_policy(name, tokens_per_block=trace.block_tokens, frequency_weight=0)
+        arm = KVPlugArm(name, by_hand, capacity)
+        counters = replay(arm, jobs, trace.block_tokens, sequential=True)
+        assert saved[name] == counters.saved_flops / counters.total_flops
+    (default,) = run_replay(trace, ["cost"], [capacity], model, sequential=True)
+    assert saved["cost"] != default.saved_compute_ratio  # the weight changed the ranking
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ('{"frequency_wieght": 0}', "'frequency_wieght' is taken by none of the arms lru, cost"),
+        ('{"frequency_weight": -2}', "frequency_weight must be a number >= 0"),
+        ("frequency_weight=1", "--policy-config: not JSON"),
+        ("[0.5]", "expected a JSON object"),
+    ],
+)
+def test_replay_policy_config_errors_name_what_is_accepted(config, message) -> None:
+    args = ["replay", "synthetic:system-prompts", "--policy", "lru,cost", "--capacity-blocks",
+            "50", "--policy-config", config]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0 and message in result.output, result.output
+    if "taken by none" in message:
+        assert "accepted: frequency_weight, ghost_ratio, model" in result.output
+
+
 def test_replay_cli_errors_are_clear(tmp_path) -> None:
     bad = _write(tmp_path, [_mc(0, 10, [1]), "oops"])
     result = CliRunner().invoke(main, ["replay", str(bad), "--policy", "lru"])

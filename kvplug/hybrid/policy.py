@@ -76,13 +76,22 @@ class JunctionCostPolicy(CostPolicy):
         if probability is None:
             self._name_class(code, node)
             probability = self._probability[code] = self.reuse_probability(code)
-        return (1 + min(node.hits, 3)) * probability
+        return (1 + self.frequency_weight * min(node.hits, 3)) * probability
 
     def rank(self, node: HybridRecord) -> float:  # type: ignore[override]
         return self.inflation + self.credit(node) * node.worth
 
-    def __init__(self, tokens_per_block: int | None = None, ghost_ratio: float = 4.0) -> None:
-        super().__init__(tokens_per_block=tokens_per_block, ghost_ratio=ghost_ratio)
+    def __init__(
+        self,
+        tokens_per_block: int | None = None,
+        ghost_ratio: float = 4.0,
+        frequency_weight: float = 1.0,
+    ) -> None:
+        super().__init__(
+            tokens_per_block=tokens_per_block,
+            ghost_ratio=ghost_ratio,
+            frequency_weight=frequency_weight,
+        )
 
     def remove(self, node: CachedNode) -> None:
         self._ghost_capacity = max(GHOST_FLOOR, int(self.ghost_ratio * len(self._rank)))

@@ -2,7 +2,7 @@
 
 When a block becomes evictable it is ranked by GreedyDual's rule,
 
-    H = L + (1 + min(reuses, 3)) * P(reuse | class) * value / bytes
+    H = L + (1 + w * min(reuses, 3)) * P(reuse | class) * value / bytes
 
 and the evictable leaf with the lowest H goes first.
 
@@ -18,7 +18,9 @@ and the evictable leaf with the lowest H goes first.
   and gives the block its reuse count back; falling out of the history closes it as not.
 - `reuses`, its hits since it entered the cache (saturating at 3, like the classes), is
   GreedyDual-Size-Frequency's frequency term: of two blocks with the same odds, the one
-  reused more is more often right.
+  reused more is more often right. Its weight `w` (`frequency_weight`, 1 by default) sets
+  how much: the class already conditions `P` on the reuses, so `w` counts them a second
+  time, and at 0 the credit is the odds alone (README: where each helps).
 - `L` is the inflation: it rises to each victim's H (a block the policy chose), so every
   score decays relative to newly ranked blocks at the pace at which the workload evicts.
   No half-life is set.
@@ -36,6 +38,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvplug.errors import ConfigError
 from kvplug.policies.base import RankedPolicy
 from kvplug.policies.value import BlockValue
 
@@ -53,10 +56,17 @@ class CostPolicy(RankedPolicy):
         model: str | None = None,
         tokens_per_block: int | None = None,
         ghost_ratio: float = 2.0,
+        frequency_weight: float = 1.0,
     ) -> None:
         super().__init__()
+        if not isinstance(frequency_weight, int | float) or not frequency_weight >= 0:
+            raise ConfigError(
+                f"frequency_weight must be a number >= 0 (1: GDSF's frequency term, 0: none), "
+                f"got {frequency_weight!r}"
+            )
         self.value = BlockValue(model, tokens_per_block)
         self.ghost_ratio = ghost_ratio
+        self.frequency_weight = frequency_weight
         self.inflation = 0.0
         # Classes travel as small int codes (see `credit`), hashed and stored with no
         # tuple made per release; `_classes` names each code's class.
@@ -114,6 +124,7 @@ class CostPolicy(RankedPolicy):
         credit_of, trial, cached = self._credit, self._trial, self._probability
         by_depth = self.value.by_depth
         deepest = len(by_depth)
+        weight = self.frequency_weight
         credits: list[float] = []
         for node in nodes:
             serial, hits = node.serial, node.hits
@@ -134,7 +145,7 @@ class CostPolicy(RankedPolicy):
                 probability = cached[code] = self.reuse_probability(code)
             depth = node.depth
             value = by_depth[depth] if depth < deepest else self.value(node)
-            credits.append((1 + (hits if hits < 3 else 3)) * probability * value)
+            credits.append((1 + weight * (hits if hits < 3 else 3)) * probability * value)
         return credits
 
     def rank(self, node: CachedNode) -> float:

@@ -1,6 +1,6 @@
 """`learned`: the `cost` policy's online reuse classes, refereed by a sampled duel with LRU.
 
-The ranking is `cost`'s GreedyDual rule, `L + credit` with `credit = (1 + min(reuses, 3))
+The ranking is `cost`'s GreedyDual rule, `L + credit` with `credit = (1 + w * min(reuses, 3))
 * P(reuse | class) * value`, where `P` is learned per class from hits and ghost returns
 (see `kvplug.policies.cost`). What `learned` adds is a referee, so that a workload the
 classes mislead never does worse than LRU:
@@ -44,8 +44,9 @@ class LearnedPolicy(CostPolicy):
         shadow_blocks: int = 1024,
         window: int = 0,
         margin: float = 0.0,
+        frequency_weight: float = 1.0,
     ) -> None:
-        super().__init__(model, tokens_per_block, ghost_ratio)
+        super().__init__(model, tokens_per_block, ghost_ratio, frequency_weight)
         self.shadow_blocks = shadow_blocks
         self.sample_shift = 0  # set by `bind`: sample one key in 2**sample_shift
         self.window = window

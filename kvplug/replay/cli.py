@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -15,7 +17,7 @@ from kvplug.fleet.router import DEFAULT_LOAD_PENALTY, ROUTERS, check_router_name
 from kvplug.fleet.runner import check_fleet_policies, run_fleet
 from kvplug.replay.loop import Timing
 from kvplug.replay.report import FORMATS, explanations, plot, render
-from kvplug.replay.runner import check_arm_names, run_replay
+from kvplug.replay.runner import check_arm_names, check_policy_config, run_replay
 from kvplug.replay.synthetic import synthetic_trace
 from kvplug.replay.trace import FORMATS as TRACE_FORMATS
 from kvplug.replay.trace import Trace, read_trace
@@ -83,6 +85,7 @@ def _run(
     quiet: bool,
     fleet: FleetSpec | None = None,
     explain: bool = False,
+    policy_config: dict[str, Any] | None = None,
 ) -> None:
     """Replay `trace` through `arms` (or, with `fleet`, through fleets running those
     policies), print the report, write the plot."""
@@ -100,7 +103,7 @@ def _run(
         (timing,) = timings
         rows = run_replay(
             trace, arms, capacities, spec, sequential=sequential, timing=timing,
-            progress=progress,
+            progress=progress, policy_config=policy_config,
         )  # fmt: skip
         report = render(rows, fmt)
         what = f"{mode} replay"
@@ -228,6 +231,12 @@ def _with_common(fn):
     help="Fleet replay: the cache-aware router's weight on load against prefix share.",
 )
 @click.option(
+    "--policy-config",
+    default=None,
+    help="A JSON object of policy parameters, given to every arm whose policy takes them, "
+    """e.g. '{"frequency_weight": 0.5}' (single-cache replay only).""",
+)
+@click.option(
     "--explain",
     is_flag=True,
     help="After the table, each learning policy's state (JSON lines; json output has it "
@@ -245,6 +254,7 @@ def replay(
     routers: str | None,
     event_lag: float,
     load_penalty: float,
+    policy_config: str | None,
     **options,
 ) -> None:
     """Replay TRACE through several eviction policies and cache sizes.
@@ -262,8 +272,12 @@ def replay(
                 raise click.UsageError(f"{flag} applies to the fleet replay only: add --engines N")
         arms = _names(policies)
         check_arm_names(arms)  # before reading a large trace
-        _run(load_trace(trace, trace_format), arms, plot_path, **options)
+        config = _json_object(policy_config, "--policy-config") if policy_config else None
+        check_policy_config(arms, config or {})
+        _run(load_trace(trace, trace_format), arms, plot_path, policy_config=config, **options)
         return
+    if policy_config is not None:
+        raise click.UsageError("--policy-config applies to the single-cache replay, not --engines")
     if options["sequential"] or plot_path:
         raise click.UsageError(
             "--sequential and --plot do not apply to the fleet replay (--engines): it models "
@@ -280,6 +294,16 @@ def replay(
     check_router_names(fleet.routers)  # before reading a large trace
     check_fleet_policies(_names(policies))
     _run(load_trace(trace, trace_format), _names(policies), None, fleet=fleet, **options)
+
+
+def _json_object(text: str, flag: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"{flag}: not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise click.BadParameter(f"{flag}: expected a JSON object of parameters, got {text!r}")
+    return value
 
 
 def _names(text: str) -> list[str]:

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from inspect import signature
+from typing import Any
 
 from kvplug.core.index import Node
 from kvplug.core.model_spec import ModelSpec
-from kvplug.errors import KVPlugError, UnknownPolicyError
+from kvplug.errors import ConfigError, KVPlugError, UnknownPolicyError
 from kvplug.policies import (
     OFFLINE_POLICIES,
     EvictionPolicy,
@@ -77,21 +78,49 @@ def check_arm_names(names: list[str]) -> None:
         )
 
 
-def arm_policy(name: str, block_tokens: int) -> EvictionPolicy:
+def arm_policy(
+    name: str, block_tokens: int, config: Mapping[str, Any] | None = None
+) -> EvictionPolicy:
     """A fresh instance of the kvplug policy `name`, its cost model told `block_tokens` tokens
-    per unit where it has one."""
-    return make_policy(name, **policy_params(name, block_tokens))
+    per unit where it has one, with the entries of `config` its constructor takes."""
+    return make_policy(name, **policy_params(name, block_tokens, config))
 
 
-def policy_params(policy: str, block_tokens: int) -> dict[str, int]:
-    """`tokens_per_block` for a policy that values blocks by their tokens: a trace block
-    stands for `block_tokens` tokens, though each replay cache block holds one unit."""
+def policy_params(
+    policy: str, block_tokens: int, config: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The entries of `config` that `policy` takes, and `tokens_per_block` for a policy that
+    values blocks by their tokens: a trace block stands for `block_tokens` tokens, though
+    each replay cache block holds one unit."""
     accepts = signature(policy_class(policy)).parameters
-    return {"tokens_per_block": block_tokens} if "tokens_per_block" in accepts else {}
+    params = {key: value for key, value in (config or {}).items() if key in accepts}
+    if "tokens_per_block" in accepts:
+        params["tokens_per_block"] = block_tokens
+    return params
+
+
+def check_policy_config(arms: list[str], config: Mapping[str, Any]) -> None:
+    """Raise, naming what the arms accept, if a key of `config` is taken by no arm's policy."""
+    accepted: set[str] = set()
+    for name in arms:
+        policy = name.partition(":")[2] if name.split(":", 1)[0] in ENGINE_ARMS else name
+        if policy in available_policies():
+            accepted |= set(signature(policy_class(policy)).parameters) - {"tokens_per_block"}
+    for key in config:
+        if key not in accepted:
+            raise ConfigError(
+                f"policy config key {key!r} is taken by none of the arms {', '.join(arms)}; "
+                f"accepted: {', '.join(sorted(accepted)) or 'none'}"
+            )
 
 
 def build_arm(
-    name: str, capacity: int, jobs: list[Job], sequential: bool, block_tokens: int
+    name: str,
+    capacity: int,
+    jobs: list[Job],
+    sequential: bool,
+    block_tokens: int,
+    config: Mapping[str, Any] | None = None,
 ) -> CacheArm:
     """Raises `ArmUnavailable` for a stock arm whose engine is missing."""
     if name == "vllm-stock":
@@ -101,17 +130,19 @@ def build_arm(
     if name.startswith("vllm-kvplug:"):
         from kvplug.replay.vllm_stock import VLLMStockArm
 
-        return VLLMStockArm(capacity, policy=arm_policy(name.partition(":")[2], block_tokens))
+        policy = arm_policy(name.partition(":")[2], block_tokens, config)
+        return VLLMStockArm(capacity, policy=policy)
     if name.startswith("sglang-kvplug:"):
         from kvplug.replay.sglang_kvplug import SGLangKVPlugArm
 
         policy = name.partition(":")[2]
-        return SGLangKVPlugArm(capacity, policy, policy_config=policy_params(policy, block_tokens))
+        params = policy_params(policy, block_tokens, config)
+        return SGLangKVPlugArm(capacity, policy, policy_config=params)
     if name.startswith("sglang-stock"):
         from kvplug.replay.sglang_stock import SGLangStockArm
 
         return SGLangStockArm(capacity, policy=name.partition(":")[2] or "lru")
-    arm = KVPlugArm(name, arm_policy(name, block_tokens), capacity)
+    arm = KVPlugArm(name, arm_policy(name, block_tokens, config), capacity)
     policy = arm.cache.policy
     if isinstance(policy, BeladyPolicy):
         policy.set_oracle(future_uses(jobs, arm, sequential))
@@ -158,8 +189,12 @@ def run_replay(
     sequential: bool = False,
     timing: Timing | None = None,
     progress: Callable[[str], None] | None = None,
+    policy_config: Mapping[str, Any] | None = None,
 ) -> list[ReplayRow]:
+    """One row per capacity x arm. `policy_config`: parameters for every arm whose policy
+    takes them (`check_policy_config`)."""
     check_arm_names(arms)
+    check_policy_config(arms, policy_config or {})
     if not capacities or min(capacities) < 1:
         raise KVPlugError(f"capacities must be positive block counts, got {capacities}")
     jobs = make_jobs(trace, model)
@@ -168,7 +203,7 @@ def run_replay(
     for capacity in capacities:
         for name in arms:
             try:
-                arm = build_arm(name, capacity, jobs, sequential, trace.block_tokens)
+                arm = build_arm(name, capacity, jobs, sequential, trace.block_tokens, policy_config)
             except ArmUnavailable as exc:
                 rows.append(ReplayRow(name, capacity, available=False, note=str(exc)))
                 continue
