@@ -54,13 +54,9 @@ def table(rows: list[FleetRow]) -> str:
         f"{'saved':>7} {'vs rr/lru':>9} {'imbalance':>9} {'stale':>6} {'mispred':>7} "
         f"{'preempt':>7}  per-engine saved %"
     )
-    lines = [header, "-" * len(header)]
-    last_group = None
+    lines = []
     for r in rows:
         group = (r.capacity_blocks, r.engines)
-        if last_group is not None and group != last_group:
-            lines.append("")
-        last_group = group
         base = baseline.get(group)
         versus = (
             f"{100 * (r.saved_compute_ratio - base.saved_compute_ratio):>+8.2f}p"
@@ -68,13 +64,14 @@ def table(rows: list[FleetRow]) -> str:
             else f"{'-':>9}"
         )
         per_engine = "/".join(f"{100 * e.saved_compute_ratio:.1f}" for e in r.per_engine)
-        lines.append(
+        line = (
             f"{r.capacity_blocks:>8} {r.engines:>2} {r.router:<12} {r.policy:<6} "
             f"{r.hit_ratio:>9.4f} {100 * r.saved_compute_ratio:>6.2f}% {versus} "
             f"{r.load_imbalance:>8.3f}x {r.stale_ratio:>6.3f} {r.mispredicted_ratio:>7.3f} "
             f"{r.preemptions:>7}  {per_engine}"
         )
-    return "\n".join(lines)
+        lines.append((group, line))
+    return _layout(header, lines)
 
 
 def sign_test(ahead: int, behind: int) -> float:
@@ -96,13 +93,9 @@ def spread_table(rows: list[FleetRow]) -> str:
         f"{'saved: median [range] %':<24} {'vs lru: median [range] pt':<26} {'ahead':>7} "
         f"{'sign p':>7}"
     )
-    lines = [header, "-" * len(header)]
-    last_group = None
+    lines = []
     for cell, by_timing in saved.items():
         capacity, engines, router, policy = cell
-        if last_group is not None and (capacity, engines) != last_group:
-            lines.append("")
-        last_group = (capacity, engines)
         values = list(by_timing.values())
         spread = f"{median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
         line = f"{capacity:>8} {engines:>2} {router:<12} {policy:<7} {len(values):>4} {spread:<24}"
@@ -112,5 +105,15 @@ def spread_table(rows: list[FleetRow]) -> str:
             ahead, behind = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
             versus = f"{median(diffs):+.2f} [{min(diffs):+.2f}..{max(diffs):+.2f}]"
             line += f" {versus:<26} {f'{ahead}/{len(diffs)}':>7} {sign_test(ahead, behind):>7.3f}"
-        lines.append(line.rstrip())
-    return "\n".join(lines)
+        lines.append(((capacity, engines), line.rstrip()))
+    return _layout(header, lines)
+
+
+def _layout(header: str, lines: list[tuple[tuple[int, int], str]]) -> str:
+    """`header`, a rule, then the lines, a blank line between (capacity, engines) groups."""
+    out = [header, "-" * len(header)]
+    for i, (group, line) in enumerate(lines):
+        if i and group != lines[i - 1][0]:
+            out.append("")
+        out.append(line)
+    return "\n".join(out)
