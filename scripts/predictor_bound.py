@@ -42,7 +42,7 @@ from kvplug.policies.rate_oracle import ReturningOraclePolicy
 from kvplug.replay.arms import KVPlugArm
 from kvplug.replay.cli import capacities_for, load_trace
 from kvplug.replay.loop import Job, make_jobs, replay
-from kvplug.replay.runner import build_arm, requests_reaching
+from kvplug.replay.runner import build_arm, replay_clock, requests_reaching
 
 FEATURES = ("depth", "count", "gap1", "gap2", "gap3", "from_end", "output", "input", "seen")
 
@@ -101,12 +101,6 @@ class PredictedPolicy(ReturningOraclePolicy):
         super().remove(node)
         if self.kind == "reuse-odds" and ranked is not None and node.serial == self.chosen:
             self.inflation = max(self.inflation, ranked[0])
-
-
-def clock(arm):
-    """The replay's clock for the policies that read it (belady's and this study's)."""
-    policy = arm.cache.policy
-    return (lambda job: setattr(policy, "now", job.index)) if hasattr(policy, "now") else None
 
 
 def fit_predict(x, y, request_of, n_requests: int, objective: str, args) -> np.ndarray:
@@ -175,23 +169,22 @@ def main() -> None:
         f"{'capacity':>9} {'lru':>7} {'cost':>7} {'belady':>7} "
         f"{'next-use':>17} {'reuse-odds':>17}   (saved compute %, gap closed)"
     )
+
+    def saved_by(arm) -> float:
+        clock = replay_clock(arm)
+        c = replay(arm, jobs, trace.block_tokens, sequential=args.sequential, on_admit=clock)
+        return c.saved_flops / c.total_flops
+
     for capacity in capacities_for(trace, None, args.capacity_fractions):
-        saved = {}
-        for name in ("lru", "cost", "belady"):
-            arm = build_arm(name, capacity, jobs, args.sequential, trace.block_tokens)
-            c = replay(
-                arm, jobs, trace.block_tokens, sequential=args.sequential, on_admit=clock(arm)
-            )
-            saved[name] = c.saved_flops / c.total_flops
+        saved = {
+            name: saved_by(build_arm(name, capacity, jobs, args.sequential, trace.block_tokens))
+            for name in ("lru", "cost", "belady")
+        }
         cells = []
         for kind in labels:
             policy = PredictedPolicy(predictions[kind], kind, trace.block_tokens)
             policy.set_requests(requests)
-            arm = KVPlugArm(kind, policy, capacity)
-            c = replay(
-                arm, jobs, trace.block_tokens, sequential=args.sequential, on_admit=clock(arm)
-            )
-            s = c.saved_flops / c.total_flops
+            s = saved_by(KVPlugArm(kind, policy, capacity))
             closed = (s - saved["lru"]) / (saved["belady"] - saved["lru"])
             cells.append(f"{100 * s:7.2f} ({closed:6.1%})")
         print(

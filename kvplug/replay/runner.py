@@ -92,11 +92,16 @@ def policy_params(
     """The entries of `config` that `policy` takes, and `tokens_per_block` for a policy that
     values blocks by their tokens: a trace block stands for `block_tokens` tokens, though
     each replay cache block holds one unit."""
-    accepts = signature(policy_class(policy)).parameters
+    accepts = policy_parameters(policy)
     params = {key: value for key, value in (config or {}).items() if key in accepts}
     if "tokens_per_block" in accepts:
         params["tokens_per_block"] = block_tokens
     return params
+
+
+def policy_parameters(policy: str) -> set[str]:
+    """The keyword parameters the constructor of kvplug policy `policy` takes."""
+    return set(signature(policy_class(policy)).parameters)
 
 
 def check_policy_config(arms: list[str], config: Mapping[str, Any]) -> None:
@@ -105,7 +110,7 @@ def check_policy_config(arms: list[str], config: Mapping[str, Any]) -> None:
     for name in arms:
         policy = name.partition(":")[2] if name.split(":", 1)[0] in ENGINE_ARMS else name
         if policy in available_policies():
-            accepted |= set(signature(policy_class(policy)).parameters) - {"tokens_per_block"}
+            accepted |= policy_parameters(policy) - {"tokens_per_block"}
     for key in config:
         if key not in accepted:
             raise ConfigError(
@@ -207,7 +212,7 @@ def run_replay(
             except ArmUnavailable as exc:
                 rows.append(ReplayRow(name, capacity, available=False, note=str(exc)))
                 continue
-            clock = _clock(arm)
+            clock = replay_clock(arm)
             c = replay(
                 arm, jobs, trace.block_tokens, sequential=sequential, timing=timing, on_admit=clock
             )
@@ -239,7 +244,9 @@ def _explain(arm: CacheArm) -> dict | None:
     return explain() if callable(explain) else None
 
 
-def _clock(arm: CacheArm) -> Callable[[Job], None] | None:
+def replay_clock(arm: CacheArm) -> Callable[[Job], None] | None:
+    """The `on_admit` hook that advances the clock of a policy that reads it (`belady`,
+    `returning-oracle` and their subclasses), or None."""
     policy = getattr(getattr(arm, "cache", None), "policy", None)
     if isinstance(policy, (BeladyPolicy, ReturningOraclePolicy)):  # they read the clock
 
