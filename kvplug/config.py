@@ -10,10 +10,8 @@ once at load time so that a bad ``policy_config`` is reported before the engine 
 from __future__ import annotations
 
 import difflib
-import inspect
 import json
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +29,7 @@ from pydantic_core import ErrorDetails
 
 from kvplug import policies
 from kvplug.core.keys import DEFAULT_HASH, HASH_ALGORITHMS
-from kvplug.errors import ConfigError
+from kvplug.errors import ConfigError, UnknownPolicyError
 
 if TYPE_CHECKING:
     from kvplug.core.model_spec import ModelSpec
@@ -82,8 +80,8 @@ class KVPlugConfig(BaseModel):
 
     @model_validator(mode="after")
     def _policy_accepts_its_config(self) -> KVPlugConfig:
-        try:
-            policies.make_policy(self.policy, **self.policy_config)
+        try:  # offline policies are refused where a server builds one (`build_policy`)
+            policies.make_policy(self.policy, self.policy_config)
         except Exception as exc:  # any failure to build the policy is a config problem
             raise ValueError(_policy_config_problem(self.policy, self.policy_config, exc)) from exc
         return self
@@ -181,26 +179,15 @@ class KVPlugConfig(BaseModel):
             raise ConfigError(_join(problems, where)) from None
 
 
-OFFLINE_POLICIES = {
-    name: "it needs every request in advance (use it in kvplug replay)"
-    for name in policies.OFFLINE_POLICIES
-}
-
-
 def build_policy(config: KVPlugConfig, model: ModelSpec) -> EvictionPolicy:
-    """The policy an engine adapter serves with: `config`'s policy and parameters, with
-    the served `model` for ``cost`` unless the config names one. Offline-only policies
+    """The policy an engine adapter serves with: `config`'s policy and parameters, valuing
+    blocks with the served `model` unless the config names one. Offline-only policies
     are refused, naming those a server accepts."""
-    if config.policy in OFFLINE_POLICIES:
-        online = [name for name in policies.available_policies() if name not in OFFLINE_POLICIES]
-        raise ConfigError(
-            f"kvplug config: policy {config.policy!r} cannot run in a server: "
-            f"{OFFLINE_POLICIES[config.policy]}; accepted here: {', '.join(online)}"
-        )
-    params = dict(config.policy_config)
-    if config.policy == "cost" and "model" not in params:
-        params["model"] = model
-    return policies.make_policy(config.policy, **params)
+    context = policies.PolicyContext(model=model, serving=True)
+    try:
+        return policies.make_policy(config.policy, config.policy_config, context)
+    except UnknownPolicyError as exc:
+        raise ConfigError(f"kvplug config: {exc}") from None
 
 
 # -- messages --------------------------------------------------------------------------
@@ -281,22 +268,14 @@ def _describe(err: ErrorDetails) -> str:
     return f"{'.'.join(loc)!r} = {_show(err['input'])} is not accepted: {reason}"
 
 
-def _policy_parameters(policy: str) -> list[str] | None:
-    """The keyword parameters the policy's constructor takes, or None if unknown."""
-    try:
-        params = inspect.signature(policies.policy_class(policy)).parameters.values()
-    except Exception:  # best effort: only used to improve a message
-        return None
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return sorted(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-
-
 def _policy_config_problem(policy: str, config: dict[str, Any], exc: Exception) -> str:
-    accepted = _policy_parameters(policy)
-    unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+    try:
+        accepted = policies.policy_parameters(policy)
+    except Exception:  # best effort: only used to improve a message
+        accepted = None
+    unexpected = [key for key in config if accepted is not None and key not in accepted]
     if unexpected and accepted is not None:
-        key = unexpected.group(1)
+        key = unexpected[0]
         listing = (
             ", ".join(accepted) if accepted else f"none: policy {policy!r} takes no parameters"
         )
@@ -341,4 +320,4 @@ def _yaml_where(exc: yaml.YAMLError) -> str:
     return f": {exc}"
 
 
-__all__ = ["ENV_VAR", "OFFLINE_POLICIES", "KVPlugConfig", "NamespaceConfig", "build_policy"]
+__all__ = ["ENV_VAR", "KVPlugConfig", "NamespaceConfig", "build_policy"]

@@ -185,7 +185,7 @@ class KVCache:
         return cls(
             num_blocks,
             size,
-            policy=make_policy(config.policy, **config.policy_config),
+            policy=make_policy(config.policy, config.policy_config),
             enable_prefix_caching=config.enable_prefix_caching,
             namespace=ns,
             hash_algo=config.hash_algo,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from kvplug.core.events import KVEvent
 from kvplug.policies import EvictionPolicy
-from kvplug.replay.arms import KVPlugArm
+from kvplug.replay.arms.base import KVPlugArm
 from kvplug.replay.loop import Job, RealisticReplay, ReplayCounters, Timing
 
 

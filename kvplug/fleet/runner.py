@@ -28,7 +28,7 @@ from kvplug.fleet.router import (
     make_router,
 )
 from kvplug.fleet.view import EventFeed, KeyScheme, PrefixView
-from kvplug.policies import OFFLINE_POLICIES, available_policies
+from kvplug.policies import online_policies
 from kvplug.replay.loop import Job, Timing, make_jobs
 from kvplug.replay.runner import arm_policy
 from kvplug.replay.trace import Trace
@@ -77,7 +77,7 @@ class FleetRow:
 
 def check_fleet_policies(names: Sequence[str]) -> None:
     """Raise, naming what is accepted, unless every name is an online kvplug policy."""
-    accepted = [p for p in available_policies() if p not in OFFLINE_POLICIES]
+    accepted = online_policies()
     for name in names:
         if name not in accepted:
             raise UnknownPolicyError(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvplug.errors import UnknownPolicyError
-from kvplug.policies import EvictionPolicy, make_policy
+from kvplug.policies import EvictionPolicy, PolicyContext, make_policy
 from kvplug.policies.cost import CostPolicy, ReuseClass
 from kvplug.policies.node import CachedNode
 
@@ -106,13 +106,16 @@ class JunctionCostPolicy(CostPolicy):
 
 
 def make_hybrid_policy(name: str, block_tokens: int) -> EvictionPolicy:
-    if name == "cost":
-        return JunctionCostPolicy(tokens_per_block=block_tokens)
-    if name == "lru":
-        return make_policy("lru")
-    raise UnknownPolicyError(
-        f"unknown hybrid policy {name!r}; accepted: {', '.join(HYBRID_POLICIES)}"
-    )
+    """Policy `name` as the hybrid cache runs it: ``cost`` as `JunctionCostPolicy`."""
+    if name not in HYBRID_POLICIES:
+        raise UnknownPolicyError(
+            f"unknown hybrid policy {name!r}; accepted: {', '.join(HYBRID_POLICIES)}"
+        )
+    context = PolicyContext(tokens_per_block=block_tokens, variants=HYBRID_VARIANTS)
+    return make_policy(name, context=context)
 
+
+# The subclass the hybrid cache runs for a policy name (`PolicyContext.variants`).
+HYBRID_VARIANTS: dict[str, type[EvictionPolicy]] = {"cost": JunctionCostPolicy}
 
 __all__ = ["HYBRID_POLICIES", "HybridRecord", "JunctionCostPolicy", "make_hybrid_policy"]

@@ -17,7 +17,7 @@ Every method must run in O(log n) or better (amortised) in the number of cached 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from heapq import heapify, heappop, heappush
 from itertools import count
 from typing import TYPE_CHECKING, ClassVar
@@ -27,9 +27,24 @@ if TYPE_CHECKING:
 
 
 class EvictionPolicy(ABC):
-    """One eviction strategy. Subclasses set `name` and implement the three abstract methods."""
+    """One eviction strategy. Subclasses set `name` and implement the three abstract methods.
+
+    Capabilities, declared on the class and read by the caches instead of the name:
+    `offline` (it needs every request in advance: the replay calls `foresee` and keeps
+    `now` at the index of the request being admitted; no engine runs it) and
+    `release_order` (its victim is always the candidate released longest ago, so an
+    engine whose free queue is kept in release order may evict from it unchanged).
+    """
 
     name: ClassVar[str]
+    offline: ClassVar[bool] = False
+    release_order: ClassVar[bool] = False
+    now: int = 0  # offline policies: the replay's clock
+
+    def foresee(self, requests: Mapping[Hashable, Sequence[int]]) -> None:
+        """Offline policies: each block key -> the sorted indices of the requests whose
+        lookup can reach it, over the whole trace."""
+        raise TypeError(f"policy {self.name!r} is online: it takes no future")
 
     def bind(self, block_size: int, num_blocks: int) -> None:
         """Called once by the cache that uses the policy."""

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 class LRUPolicy(RankedPolicy):
     name = "lru"
+    release_order = True  # with no `touch`, its order is the release order
 
     def __init__(self) -> None:
         super().__init__()

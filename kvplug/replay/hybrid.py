@@ -31,7 +31,7 @@ from kvplug.errors import KVPlugError, UnknownPolicyError
 from kvplug.hybrid.cache import HybridCache
 from kvplug.hybrid.policy import HYBRID_POLICIES
 from kvplug.hybrid.spec import HybridSpec
-from kvplug.replay.arms import FRESH_UNIT_BASE, ArmStats, ArmUnavailable, CacheArm
+from kvplug.replay.arms.base import FRESH_UNIT_BASE, ArmStats, ArmUnavailable, CacheArm
 from kvplug.replay.loop import Job, Timing, make_jobs, replay
 from kvplug.replay.trace import Trace
 
@@ -124,7 +124,7 @@ def build_hybrid_arm(
     base, _, policy = name.partition(":")
     if base in ("vllm-stock", "vllm-kvplug"):
         try:
-            from kvplug.replay.vllm_hybrid import VLLMHybridArm
+            from kvplug.replay.arms.vllm_hybrid import VLLMHybridArm
         except ImportError as exc:
             raise ArmUnavailable(f"the {name} arm is not available here: {exc}") from exc
         from kvplug.replay.runner import arm_policy
@@ -135,7 +135,7 @@ def build_hybrid_arm(
         return arm
     if base in ("sglang-stock", "sglang-kvplug"):
         try:
-            from kvplug.replay.sglang_hybrid import SGLangHybridArm
+            from kvplug.replay.arms.sglang_hybrid import SGLangHybridArm
         except ImportError as exc:
             raise ArmUnavailable(f"the {name} arm is not available here: {exc}") from exc
         arm = SGLangHybridArm(

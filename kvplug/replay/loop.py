@@ -26,7 +26,7 @@ from itertools import accumulate
 from typing import NamedTuple
 
 from kvplug.core.model_spec import ModelSpec
-from kvplug.replay.arms import FRESH_UNIT_BASE, CacheArm
+from kvplug.replay.arms.base import FRESH_UNIT_BASE, CacheArm
 from kvplug.replay.trace import Trace, count_blocks
 
 

@@ -13,26 +13,22 @@ something else.
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from inspect import signature
 from typing import Any
 
-from kvplug.core.index import Node
 from kvplug.core.model_spec import ModelSpec
 from kvplug.errors import ConfigError, KVPlugError, UnknownPolicyError
 from kvplug.policies import (
-    OFFLINE_POLICIES,
     EvictionPolicy,
+    PolicyContext,
     available_policies,
     make_policy,
-    policy_class,
+    online_policies,
+    policy_parameters,
 )
-from kvplug.policies.belady import BeladyPolicy
-from kvplug.policies.rate_oracle import RateOraclePolicy, ReturningOraclePolicy
-from kvplug.replay.arms import ArmUnavailable, CacheArm, KVPlugArm
+from kvplug.replay.arms.base import ArmUnavailable, CacheArm, KVPlugArm
 from kvplug.replay.loop import Job, Timing, make_jobs, replay
 from kvplug.replay.trace import Trace
 
@@ -70,7 +66,7 @@ def check_arm_names(names: list[str]) -> None:
         base = name.split(":", 1)[0]
         if name in known or base in STOCK_ARMS:
             continue
-        if base in ENGINE_ARMS and name.partition(":")[2] in set(known) - set(OFFLINE_POLICIES):
+        if base in ENGINE_ARMS and name.partition(":")[2] in online_policies():
             continue
         raise UnknownPolicyError(
             f"unknown arm {name!r}; accepted: {', '.join(known)}, vllm-stock, "
@@ -78,30 +74,57 @@ def check_arm_names(names: list[str]) -> None:
         )
 
 
+def engine_of(arm: str) -> str | None:
+    """The engine an arm runs inside (``vllm``, ``sglang``), or None for kvplug's own cache."""
+    base = arm.split(":", 1)[0]
+    if base in STOCK_ARMS or base in ENGINE_ARMS:
+        return base.split("-", 1)[0]
+    return None
+
+
+def missing_engines(arms: list[str]) -> dict[str, str]:
+    """Each arm whose engine cannot run in this environment -> why (one reason per engine)."""
+    from kvplug.replay.arms.sglang import check_sglang
+    from kvplug.replay.arms.vllm import check_vllm
+
+    checks = {"vllm": check_vllm, "sglang": lambda: check_sglang("sglang")}
+    reasons: dict[str, str | None] = {}
+    missing = {}
+    for arm in arms:
+        engine = engine_of(arm)
+        if engine is None:
+            continue
+        if engine not in reasons:
+            try:
+                checks[engine]()
+                reasons[engine] = None
+            except ArmUnavailable as exc:
+                reasons[engine] = str(exc)
+        if reasons[engine] is not None:
+            missing[arm] = reasons[engine]
+    return missing
+
+
 def arm_policy(
     name: str, block_tokens: int, config: Mapping[str, Any] | None = None
 ) -> EvictionPolicy:
     """A fresh instance of the kvplug policy `name`, its cost model told `block_tokens` tokens
-    per unit where it has one, with the entries of `config` its constructor takes."""
-    return make_policy(name, **policy_params(name, block_tokens, config))
+    per unit (a trace block, though each replay cache block holds one unit), with the
+    entries of `config` its constructor takes."""
+    context = PolicyContext(tokens_per_block=block_tokens)
+    return make_policy(name, policy_params(name, config), context)
 
 
-def policy_params(
-    policy: str, block_tokens: int, config: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """The entries of `config` that `policy` takes, and `tokens_per_block` for a policy that
-    values blocks by their tokens: a trace block stands for `block_tokens` tokens, though
-    each replay cache block holds one unit."""
-    accepts = policy_parameters(policy)
-    params = {key: value for key, value in (config or {}).items() if key in accepts}
-    if "tokens_per_block" in accepts:
-        params["tokens_per_block"] = block_tokens
-    return params
+def policy_params(policy: str, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The entries of `config` that `policy`'s constructor takes."""
+    accepts = accepted_parameters(policy)
+    return {key: value for key, value in (config or {}).items() if key in accepts}
 
 
-def policy_parameters(policy: str) -> set[str]:
-    """The keyword parameters the constructor of kvplug policy `policy` takes."""
-    return set(signature(policy_class(policy)).parameters)
+def accepted_parameters(policy: str) -> set[str]:
+    """The parameters policy `policy` takes from a policy config (not `tokens_per_block`,
+    which the replay fills in)."""
+    return set(policy_parameters(policy) or ()) - {"tokens_per_block"}
 
 
 def check_policy_config(arms: list[str], config: Mapping[str, Any]) -> None:
@@ -110,7 +133,7 @@ def check_policy_config(arms: list[str], config: Mapping[str, Any]) -> None:
     for name in arms:
         policy = name.partition(":")[2] if name.split(":", 1)[0] in ENGINE_ARMS else name
         if policy in available_policies():
-            accepted |= policy_parameters(policy) - {"tokens_per_block"}
+            accepted |= accepted_parameters(policy)
     for key in config:
         if key not in accepted:
             raise ConfigError(
@@ -129,30 +152,29 @@ def build_arm(
 ) -> CacheArm:
     """Raises `ArmUnavailable` for a stock arm whose engine is missing."""
     if name == "vllm-stock":
-        from kvplug.replay.vllm_stock import VLLMStockArm
+        from kvplug.replay.arms.vllm import VLLMStockArm
 
         return VLLMStockArm(capacity)
     if name.startswith("vllm-kvplug:"):
-        from kvplug.replay.vllm_stock import VLLMStockArm
+        from kvplug.replay.arms.vllm import VLLMStockArm
 
         policy = arm_policy(name.partition(":")[2], block_tokens, config)
         return VLLMStockArm(capacity, policy=policy)
     if name.startswith("sglang-kvplug:"):
-        from kvplug.replay.sglang_kvplug import SGLangKVPlugArm
+        from kvplug.replay.arms.sglang_kvplug import SGLangKVPlugArm
 
         policy = name.partition(":")[2]
-        params = policy_params(policy, block_tokens, config)
+        params = policy_params(policy, config)
+        if "tokens_per_block" in (policy_parameters(policy) or ()):
+            params["tokens_per_block"] = block_tokens
         return SGLangKVPlugArm(capacity, policy, policy_config=params)
     if name.startswith("sglang-stock"):
-        from kvplug.replay.sglang_stock import SGLangStockArm
+        from kvplug.replay.arms.sglang import SGLangStockArm
 
         return SGLangStockArm(capacity, policy=name.partition(":")[2] or "lru")
     arm = KVPlugArm(name, arm_policy(name, block_tokens, config), capacity)
-    policy = arm.cache.policy
-    if isinstance(policy, BeladyPolicy):
-        policy.set_oracle(future_uses(jobs, arm, sequential))
-    elif isinstance(policy, RateOraclePolicy):  # and returning-oracle
-        policy.set_requests(requests_reaching(jobs, arm, sequential))
+    if arm.cache.policy.offline:
+        arm.cache.policy.foresee(requests_reaching(jobs, arm, sequential))
     return arm
 
 
@@ -169,20 +191,6 @@ def requests_reaching(jobs: list[Job], arm: KVPlugArm, sequential: bool) -> dict
             key = cache.hasher.block_key(key, (unit,))
             uses[key].append(job.index)
     return uses
-
-
-def future_uses(jobs: list[Job], arm: KVPlugArm, sequential: bool) -> Callable[[Node, int], float]:
-    """The oracle for `belady`: the next request after `now` whose lookup can reach a node."""
-    uses = requests_reaching(jobs, arm, sequential)
-
-    def next_use(node: Node, now: int) -> float:
-        times = uses.get(node.key)
-        if not times:
-            return float("inf")
-        i = bisect_right(times, now)
-        return times[i] if i < len(times) else float("inf")
-
-    return next_use
 
 
 def run_replay(
@@ -245,10 +253,9 @@ def _explain(arm: CacheArm) -> dict | None:
 
 
 def replay_clock(arm: CacheArm) -> Callable[[Job], None] | None:
-    """The `on_admit` hook that advances the clock of a policy that reads it (`belady`,
-    `returning-oracle` and their subclasses), or None."""
+    """The `on_admit` hook that advances an offline policy's clock, or None."""
     policy = getattr(getattr(arm, "cache", None), "policy", None)
-    if isinstance(policy, (BeladyPolicy, ReturningOraclePolicy)):  # they read the clock
+    if policy is not None and policy.offline:
 
         def tick(job: Job) -> None:
             policy.now = job.index

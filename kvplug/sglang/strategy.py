@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from kvplug.config import WRAPPER_KEY, KVPlugConfig, build_policy
 from kvplug.core.model_spec import ModelSpec, load_model
 from kvplug.errors import ConfigError
-from kvplug.policies import available_policies
+from kvplug.policies import online_policies
 from kvplug.policies.base import EvictionPolicy
 
 PREFIX = "kvplug-"
@@ -34,9 +34,7 @@ CONFIG_FLAG = "--radix-eviction-policy-config"
 
 def policy_choices() -> list[str]:
     """``kvplug-<name>`` for every kvplug policy a server can run, third-party ones too."""
-    from kvplug.config import OFFLINE_POLICIES
-
-    return [PREFIX + name for name in available_policies() if name not in OFFLINE_POLICIES]
+    return [PREFIX + name for name in online_policies()]
 
 
 def policy_name(choice: str) -> str | None:

@@ -49,15 +49,15 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import count
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.core.groups import GroupKind
+from kvplug.policies import make_policy
 from kvplug.policies.base import EvictionPolicy
-from kvplug.policies.lru import LRUPolicy
 from kvplug.vllm.anchors import HybridRules
 from kvplug.vllm.free_queue import PolicyFreeQueue
 from kvplug.vllm.stats import PoolStats
@@ -121,11 +121,14 @@ class KVPlugBlockPool(BlockPool):
 
     eviction: EvictionCore[CachedBlock]
     stats: PoolStats
-    tracked: bool  # the eviction core ranks every cached block (any policy but exact lru)
+    # the eviction core ranks every cached block (a policy not in release order)
+    tracked: ClassVar[bool] = True
     rules: HybridRules | None  # a tracked hybrid pool's cross-group and anchor rules
     counts_handed_out = False  # evictions counted in get_new_blocks (else by the queue)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, policy: EvictionPolicy | None = None, **kwargs: Any) -> None:
+        """vLLM's arguments, and the policy the pool serves (`pool_class` chose the class
+        for it; default: the class's own, ``lru`` or ``cost``)."""
         super().__init__(*args, **kwargs)
         # vLLM's constructor built its own queue and took the null block from it;
         # `use_policy` sets the queue this pool's policy needs.
@@ -136,7 +139,7 @@ class KVPlugBlockPool(BlockPool):
         self._serials = count()
         self.releasing = Release()
         self._evicted: OrderedDict[Any, None] = OrderedDict()  # recent victims' hashes
-        self.use_policy(_default_policy(), PoolStats())
+        self.use_policy(policy or make_policy("lru" if not self.tracked else "cost"), PoolStats())
 
     @property
     def policy(self) -> EvictionPolicy:
@@ -158,22 +161,26 @@ class KVPlugBlockPool(BlockPool):
         group's window in blocks) are the hybrid rules' (`kvplug.vllm.anchors`): a tracked
         pool with a sliding-window group gets a `HybridRules` (``rules``), others None.
 
-        kvplug's `LRUPolicy` is vLLM's own order (least recently released first, a
-        request's tail first), and in that order a cached child is always released before
-        its parent, so the leaf rule never changes its choice: with it the pool keeps no
-        records and the queue evicts in release order (``tracked`` is False)."""
+        A policy in release order (kvplug's `LRUPolicy`: vLLM's own order, least recently
+        released first, a request's tail first) releases a cached child before its
+        parent, so the leaf rule never changes its choice: it runs on a `ReleaseOrderPool`,
+        which keeps no records (``tracked`` is False). The pool's class must fit the
+        policy (`pool_class`)."""
         if self._num_keys:
             raise RuntimeError("the policy can only be chosen while nothing is cached")
+        if policy.release_order == self.tracked:
+            raise TypeError(
+                f"{type(self).__name__} cannot serve policy {policy.name!r}: build the pool "
+                f"as pool_class(policy), {pool_class(policy).__name__}"
+            )
         policy.bind(self.hash_block_size, self.num_gpu_blocks)
         self.eviction = EvictionCore(policy)
         self.stats = stats
         self.tree_groups = tree_groups
         self.group_kinds = dict(group_kinds or {})
-        self.tracked = type(policy) is not LRUPolicy
         self.rules = None
         free = [b for b in self.blocks if not b.is_null]  # nothing cached: all held or free
         if self.tracked:
-            self.__class__ = KVPlugBlockPool
             self.free_block_queue = PolicyFreeQueue(self, free)
             if not self._slots:
                 self._slots = [CachedBlock(block) for block in self.blocks]
@@ -182,7 +189,6 @@ class KVPlugBlockPool(BlockPool):
             if GroupKind.SLIDING_WINDOW in self.group_kinds.values():
                 self.rules = HybridRules(self, self.group_kinds, windows or {})
         else:  # vLLM's own queue and order; `ReleaseOrderPool` only counts
-            self.__class__ = ReleaseOrderPool
             self.free_block_queue = FreeKVCacheBlockQueue(free)
             self._partial_entries = False  # whether vLLM registered a partial entry
 
@@ -470,8 +476,8 @@ class ReleaseOrderPool(KVPlugBlockPool):
     kvplug's lru is vLLM's order (see the module doc), so this pool ranks nothing and
     keeps no per-block record: it is vLLM's `BlockPool` with its `FreeKVCacheBlockQueue`,
     counting hits, evictions, churn and cached blocks as a tracked pool does (a test
-    checks them against tracked lru, operation by operation). `use_policy` makes a pool
-    this class for `LRUPolicy`, and a `KVPlugBlockPool` again for any other policy.
+    checks them against tracked lru, operation by operation). `pool_class` builds this
+    class for a policy whose order is the release order (`EvictionPolicy.release_order`).
 
     Its evictions are counted as `get_new_blocks` hands the blocks out
     (`counts_handed_out`): a wrapper of `_maybe_evict_cached_block` would cost a call for
@@ -479,6 +485,7 @@ class ReleaseOrderPool(KVPlugBlockPool):
     """
 
     counts_handed_out = True
+    tracked: ClassVar[bool] = False
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         self.stats.block_hits += sum(1 for block in blocks if block._block_hash is not None)
@@ -556,7 +563,7 @@ class ReleaseOrderPool(KVPlugBlockPool):
         assert len(self.policy) == 0, "lru ranks nothing in the pool"
 
 
-def _default_policy() -> EvictionPolicy:
-    from kvplug.policies import make_policy
-
-    return make_policy("lru")
+def pool_class(policy: EvictionPolicy) -> type[KVPlugBlockPool]:
+    """The pool class that serves `policy`, chosen before vLLM builds the pool: vLLM's own
+    queue for a policy in release order (`ReleaseOrderPool`), kvplug's ranking otherwise."""
+    return ReleaseOrderPool if policy.release_order else KVPlugBlockPool

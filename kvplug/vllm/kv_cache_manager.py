@@ -3,8 +3,9 @@
 vLLM's KV cache coordinator constructs the block pool itself, with vLLM's own
 arguments. `kvplug_classes` rebinds, for the duration of one construction and under a
 lock, the two names vLLM looks up: `BlockPool` in the coordinator module (so the pool
-built is a `KVPlugBlockPool`) and `KVCacheManager` in the scheduler module (so the
-scheduler builds a `KVPlugKVCacheManager`). `attach_policy` then gives the pool its
+built is the class that serves the policy, chosen by `pool_class`, given the policy) and
+`KVCacheManager` in the scheduler module (so the scheduler builds a
+`KVPlugKVCacheManager`). `attach_policy` then gives the pool its
 policy. The scheduler (`kvplug.vllm.scheduler`) and the replay's ``vllm-kvplug`` arm
 (`build_kvplug_manager`) both go through these two functions.
 """
@@ -12,6 +13,7 @@ policy. The scheduler (`kvplug.vllm.scheduler`) and the replay's ``vllm-kvplug``
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -25,7 +27,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWind
 
 from kvplug.core.groups import GroupKind
 from kvplug.policies.base import EvictionPolicy
-from kvplug.vllm.block_pool import KVPlugBlockPool, Release
+from kvplug.vllm.block_pool import KVPlugBlockPool, Release, pool_class
 from kvplug.vllm.stats import PoolStats
 
 _swap_lock = threading.Lock()
@@ -84,10 +86,11 @@ class KVPlugKVCacheManager(KVCacheManager):
 
 
 @contextlib.contextmanager
-def kvplug_classes() -> Iterator[None]:
-    """While open, vLLM builds kvplug's pool and manager classes in place of its own."""
+def kvplug_classes(policy: EvictionPolicy) -> Iterator[None]:
+    """While open, vLLM builds kvplug's pool (the class that serves `policy`, with it) and
+    manager classes in place of its own."""
     swaps = [
-        (kv_cache_coordinator, "BlockPool", KVPlugBlockPool),
+        (kv_cache_coordinator, "BlockPool", functools.partial(pool_class(policy), policy=policy)),
         (vllm_scheduler, "KVCacheManager", KVPlugKVCacheManager),
     ]
     with _swap_lock:
@@ -154,7 +157,7 @@ def attach_policy(
 
 def build_kvplug_manager(policy: EvictionPolicy, **kwargs: Any) -> KVPlugKVCacheManager:
     """A `KVPlugKVCacheManager` built from vLLM's own arguments, its pool ranked by `policy`."""
-    with kvplug_classes():
+    with kvplug_classes(policy):
         manager = KVPlugKVCacheManager(**kwargs)
     attach_policy(manager, policy, kwargs["kv_cache_config"])
     return manager

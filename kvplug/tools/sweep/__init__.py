@@ -26,11 +26,9 @@ both sides on one trace:
 | `latency` | planning the decode measurement for the device and timing it (torch, lazily) |
 | `run` | `run_sweep`: one `SweepRow` per block size, and `recommend` |
 | `output` | the table, JSON, CSV and the plots |
-| `cli` | the ``kvplug sweep`` click command |
 """
 
 from kvplug.tools.sweep.accounting import Accounting, account, sample_lengths
-from kvplug.tools.sweep.cli import sweep
 from kvplug.tools.sweep.config import (
     DEFAULT_BLOCK_SIZES,
     DEFAULT_BUCKETS,
@@ -67,7 +65,6 @@ __all__ = [
     "recommend",
     "run_sweep",
     "sample_lengths",
-    "sweep",
     "to_csv",
     "to_json",
     "write_plots",

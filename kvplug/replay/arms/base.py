@@ -1,0 +1,120 @@
+"""Arms: the caches a replay compares, behind one small interface.
+
+The replay speaks in *units*: one unit is one trace block (512 tokens for Mooncake), and a
+cache block holds exactly one unit. A prompt is a list of unit ids: the trace's hash ids
+for its full blocks, then fresh ids for a partial last block and for decode growth (these
+never match anything). Every arm gets the same calls in the same order; an arm decides
+only what it keeps.
+
+`KVPlugArm` runs kvplug's `KVCache` with any registered policy. The stock arms
+(`kvplug.replay.arms.vllm`, `kvplug.replay.arms.sglang`) drive the engines' own classes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from kvplug.core.cache import KVCache
+from kvplug.core.events import EventSink
+from kvplug.policies import EvictionPolicy
+
+FRESH_UNIT_BASE = 1 << 40  # unit ids at or above this are never shared
+
+
+@dataclass
+class ArmStats:
+    evictions: int = 0
+    churn: int = 0  # blocks inserted into the cache, then evicted without a single hit
+    cached_blocks: int = 0  # blocks held by the cache (reusable) right now
+
+
+class ArmUnavailable(Exception):
+    """The arm's engine is not installed (or not a supported version) here."""
+
+
+def require_engine(module: str, name: str, version: str, arm: str, install: str) -> None:
+    """Raise `ArmUnavailable` unless `module` imports and is exactly `version`."""
+    try:
+        engine = importlib.import_module(module)
+    except Exception as exc:  # any import failure means the engine cannot run here
+        raise ArmUnavailable(
+            f"the {arm} arm needs {name} {version}, which is not importable here ({exc}); "
+            f"install it with {install}"
+        ) from exc
+    found = getattr(engine, "__version__", "unknown")
+    if found != version:
+        raise ArmUnavailable(
+            f"the {arm} arm supports {name} {version} only, but {name} {found} is installed; "
+            "its cache code may differ"
+        )
+
+
+class CacheArm(ABC):
+    """One cache under test, with `capacity_blocks` blocks of one unit each."""
+
+    name: str
+
+    @abstractmethod
+    def admit(self, req_id: int, prompt: list[int], compute: int) -> int | None:
+        """Start a request: look up `prompt`, then allocate blocks for its first `compute`
+        units (those not served from the cache).
+
+        Returns the number of leading prompt units served from the cache, or None, having
+        changed nothing, if the blocks cannot be had now. The engines never serve the
+        whole prompt (the last token is always computed); the sequential replay passes a
+        prompt with one extra sentinel unit and ``compute = len(prompt) - 1``, so a fully
+        cached prompt counts as a full hit.
+        """
+
+    @abstractmethod
+    def grow(self, req_id: int, units: list[int]) -> bool:
+        """Append decode units; False, having changed nothing, if there is no room."""
+
+    @abstractmethod
+    def finish(self, req_id: int, output_tokens: int = 0) -> None:
+        """End the request, which generated `output_tokens`; its blocks go back to the
+        cache."""
+
+    @abstractmethod
+    def stats(self) -> ArmStats: ...
+
+
+class KVPlugArm(CacheArm):
+    """kvplug's own cache with one of its policies."""
+
+    def __init__(
+        self,
+        name: str,
+        policy: EvictionPolicy,
+        capacity_blocks: int,
+        event_sink: EventSink | None = None,
+    ) -> None:
+        self.name = name
+        self.cache = KVCache(capacity_blocks, 1, policy=policy, event_sink=event_sink)
+
+    def admit(self, req_id: int, prompt: list[int], compute: int) -> int | None:
+        cache = self.cache
+        nodes = cache.match(prompt)
+        if cache.admission_blocks(nodes, compute) > cache.num_reclaimable:
+            return None
+        cached = cache.add_request(req_id, prompt)
+        assert cached == len(nodes)
+        cache.append(req_id, prompt[cached:compute])
+        cache.complete_step()
+        return cached
+
+    def grow(self, req_id: int, units: list[int]) -> bool:
+        if not self.cache.can_append(req_id, len(units)):
+            return False
+        self.cache.append(req_id, units)
+        self.cache.complete_step()
+        return True
+
+    def finish(self, req_id: int, output_tokens: int = 0) -> None:
+        self.cache.finish(req_id, output_tokens=output_tokens)
+
+    def stats(self) -> ArmStats:
+        metrics = self.cache.metrics
+        return ArmStats(metrics.evictions, metrics.churn, len(self.cache.index))

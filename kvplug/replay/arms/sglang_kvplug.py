@@ -1,0 +1,46 @@
+"""The `sglang-kvplug:<policy>` arm: SGLang's real radix cache with kvplug's policy.
+
+It is the `sglang-stock` arm (`kvplug.replay.arms.sglang`: SGLang 0.5.23's
+`UnifiedRadixCache`, driven the way SGLang's scheduler drives it) with one difference:
+the cache is built as ``--radix-cache-backend kvplug`` builds it, through
+`kvplug.sglang.backend.build_cache` (kvplug's tree core and components,
+the policy from kvplug's registry). With ``lru`` it evicts exactly as
+``sglang-stock:lru``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvplug.config import KVPlugConfig
+from kvplug.policies import policy_class
+from kvplug.replay.arms.sglang import SGLangStockArm
+
+
+class SGLangKVPlugArm(SGLangStockArm):
+    """SGLang's `UnifiedRadixCache` with ``capacity_blocks`` slots, evicting by kvplug's
+    policy `policy` with `policy_config` (see the module doc)."""
+
+    arm_prefix = "sglang-kvplug"
+
+    def __init__(
+        self,
+        capacity_blocks: int,
+        policy: str = "cost",
+        *,
+        policy_config: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.policy_config = dict(policy_config or {})
+        super().__init__(capacity_blocks, policy, **kwargs)
+
+    def _check_policy(self, policy: str) -> None:
+        policy_class(policy)  # raises UnknownPolicyError listing kvplug's policies
+
+    def _build_cache(self, params: Any, policy: str) -> Any:
+        from kvplug.sglang.backend import build_cache
+
+        return build_cache(params, KVPlugConfig(policy=policy, policy_config=self.policy_config))
+
+
+__all__ = ["SGLangKVPlugArm"]

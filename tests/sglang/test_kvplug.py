@@ -1,0 +1,138 @@
+"""kvplug inside SGLang's real radix cache, driven as SGLang's scheduler drives it.
+
+The `sglang-kvplug:<policy>` replay arm is SGLang 0.5.23's `UnifiedRadixCache` built as
+``--radix-cache-backend kvplug`` builds it. These tests check that
+
+- ``kvplug-lru`` evicts exactly as SGLang's own ``lru``: over random admit / decode /
+  finish sequences (hypothesis), the two caches return the same hits and hold the same
+  slots after every operation;
+- under every kvplug policy the eviction core's candidates stay exactly SGLang's
+  evictable leaves (`KVPlugTreeCore.check_invariants`) and the slot accounting holds.
+"""
+
+from __future__ import annotations
+
+from itertools import count
+
+import pytest
+
+pytest.importorskip("sglang", reason="SGLang is not installed (see requirements/sglang-replay.txt)")
+
+from arm_ops import admit_request, operations, prefix_sets  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvplug.errors import UnknownPolicyError  # noqa: E402
+from kvplug.replay.arms.base import FRESH_UNIT_BASE, ArmStats  # noqa: E402
+from kvplug.replay.arms.sglang import SGLangStockArm  # noqa: E402
+from kvplug.replay.arms.sglang_kvplug import SGLangKVPlugArm  # noqa: E402
+
+POLICIES = ["lru", "lfu", "gdsf", "cost"]
+fresh = count(FRESH_UNIT_BASE)
+
+
+def sequential(arm: SGLangStockArm, req_id: int, prompt: list[int]) -> int | None:
+    hits = arm.admit(req_id, [*prompt, next(fresh)], len(prompt))
+    if hits is not None:
+        arm.finish(req_id)
+    return hits
+
+
+def state(arm: SGLangStockArm) -> tuple[int, int, list[int]]:
+    """What must agree between equivalent arms: tree sizes and the free slots."""
+    cache = arm.cache
+    free = sorted(arm.allocator.get_all_free_pages().tolist())
+    return cache.evictable_size(), cache.protected_size(), free
+
+
+def test_arm_name_and_unknown_policy() -> None:
+    assert SGLangKVPlugArm(8, "cost").name == "sglang-kvplug:cost"
+    with pytest.raises(UnknownPolicyError, match="known policies: .*cost"):
+        SGLangKVPlugArm(8, "nope")
+
+
+def test_lru_order_matches_sglang_on_a_small_case() -> None:
+    stock, kvplug = SGLangStockArm(6, "lru"), SGLangKVPlugArm(6, "lru")
+    prompts = [[1, 2], [1, 2], [3, 4], [5, 6, 7, 8], [3, 4], [1, 2]]
+    for arm in (stock, kvplug):
+        hits = [sequential(arm, i, prompt) for i, prompt in enumerate(prompts)]
+        assert hits == [0, 2, 0, 0, 2, 0]
+        assert arm.stats() == ArmStats(evictions=6, churn=4, cached_blocks=4)
+
+
+def test_cost_keeps_the_reused_prefix() -> None:
+    """cost ranks a prefix two requests used above a one-off leaf of the same size."""
+    arm = SGLangKVPlugArm(6, "cost")
+    assert sequential(arm, 1, [1, 2]) == 0
+    assert sequential(arm, 2, [1, 2]) == 2
+    assert sequential(arm, 3, [3, 4]) == 0
+    assert sequential(arm, 4, [5, 6, 7, 8]) == 0
+    arm.cache.tree_core.check_invariants()
+    assert sequential(arm, 5, [1, 2]) == 2
+
+
+def test_locked_prefix_is_never_a_candidate() -> None:
+    arm = SGLangKVPlugArm(6, "lru")
+    assert sequential(arm, 1, [1, 2]) == 0
+    assert arm.admit(2, [1, 2, 3, next(fresh)], 3) == 2  # runs on, locking [1, 2]
+    tree = arm.cache.tree_core
+    tree.check_invariants()
+    assert all(not tree.eviction.is_candidate(r) for r in tree.records.values())
+    assert sequential(arm, 3, [4, 5, 6]) == 0
+    assert sequential(arm, 4, [7]) == 0  # evicts [4, 5, 6], not the locked [1, 2]
+    tree.check_invariants()
+    arm.finish(2)
+    assert sequential(arm, 5, [1, 2, 3]) == 3
+
+
+# Operations: see tests/arm_ops.py.
+
+
+def run_ops(arms: list[SGLangStockArm], prefixes: list[list[int]], ops: list[tuple]) -> None:
+    """Apply `ops` to every arm alike; after each one, all arms agree and kvplug's
+    tree core passes its audit."""
+    running: list[int] = []
+    for req_id, op in enumerate(ops):
+        if op[0] == "admit":
+            prompt, compute = admit_request(op, prefixes, fresh)
+            results = [arm.admit(req_id, prompt, compute) for arm in arms]
+            if results[0] is not None:
+                running.append(req_id)
+        elif not running:
+            continue
+        elif op[0] == "grow":
+            target = running[op[1] % len(running)]
+            units = [next(fresh) for _ in range(op[2])]
+            results = [arm.grow(target, units) for arm in arms]
+        else:
+            target = running.pop(op[1] % len(running))
+            results = [arm.finish(target) for arm in arms]
+        assert len(set(results)) == 1, f"{op}: {results}"
+        states = [state(arm) for arm in arms]
+        assert all(s == states[0] for s in states), f"after {op}: {states}"
+        stats = [arm.stats() for arm in arms]
+        assert all(s == stats[0] for s in stats), f"after {op}: {stats}"
+        for arm in arms:
+            if isinstance(arm, SGLangKVPlugArm):
+                arm.cache.tree_core.check_invariants()
+
+
+@settings(max_examples=120, deadline=None)
+@given(capacity=st.integers(2, 24), prefixes=prefix_sets, ops=operations)
+def test_kvplug_lru_evicts_as_sglang_lru(
+    capacity: int, prefixes: list[list[int]], ops: list[tuple]
+) -> None:
+    run_ops([SGLangStockArm(capacity, "lru"), SGLangKVPlugArm(capacity, "lru")], prefixes, ops)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    capacity=st.integers(2, 24),
+    policy=st.sampled_from(POLICIES),
+    prefixes=prefix_sets,
+    ops=operations,
+)
+def test_candidates_stay_sglang_leaves_under_every_policy(
+    capacity: int, policy: str, prefixes: list[list[int]], ops: list[tuple]
+) -> None:
+    run_ops([SGLangKVPlugArm(capacity, policy)], prefixes, ops)

@@ -1,0 +1,261 @@
+"""The cache state machine: random operation sequences against the cache's invariants.
+
+Besides `KVCache.check_invariants` (states, reference counts, index shape, policy
+candidates), the state machine keeps its own model of what each physical block holds,
+written only through the copies and appends the cache asks for. After every step every
+live request's blocks must hold exactly its tokens, every lookup must return blocks
+holding exactly the prompt's tokens, and no block handed out may have been touched by a
+step that has not been fenced. A block shared wrongly, recycled early or published before
+its write would break one of these.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hypothesis import assume, event
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+
+from kvplug.core.cache import KVCache
+from kvplug.core.keys import Namespace
+from kvplug.core.pool import BlockState
+from kvplug.errors import (
+    CapacityError,
+    DuplicateRequestError,
+    FenceError,
+    OutOfBlocksError,
+    UnknownRequestError,
+)
+from kvplug.policies import EvictionPolicy, make_policy
+from kvplug.policies.offline.belady import BeladyPolicy
+from kvplug.policies.offline.rate_oracle import RateOraclePolicy
+
+BASES = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [7, 7, 7, 7, 7, 7])
+TENANTS = (Namespace(tenant="a"), Namespace(tenant="b"))
+
+
+def random_future(node, now: int) -> float:
+    """A deterministic stand-in future for `belady`, which only runs in replays."""
+    return now + 1 + int.from_bytes(hashlib.blake2b(node.key, digest_size=2).digest(), "big")
+
+
+prompts = st.builds(
+    lambda base, cut, tail: BASES[base][:cut] + tail,
+    st.integers(0, len(BASES) - 1),
+    st.one_of(st.just(9), st.integers(0, 9)),
+    st.lists(st.integers(0, 3), max_size=6),
+).filter(bool)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    requests = Bundle("requests")
+    policy_name = "lru"  # subclasses run the same machine under other policies
+
+    def make_policy(self) -> EvictionPolicy:
+        policy = make_policy(self.policy_name)
+        if isinstance(policy, BeladyPolicy):
+            policy.set_oracle(random_future)
+        if isinstance(policy, RateOraclePolicy):
+            policy.set_oracle(lambda node: random_future(node, 0))
+        return policy
+
+    @initialize(
+        num_blocks=st.integers(3, 24),
+        block_size=st.sampled_from([1, 2, 2, 3, 4, 4]),
+        caching=st.booleans(),
+        max_model_len=st.sampled_from([None, 24]),
+    )
+    def setup(self, num_blocks: int, block_size: int, caching: bool, max_model_len) -> None:
+        self.cache = KVCache(
+            num_blocks,
+            block_size,
+            policy=self.make_policy(),
+            enable_prefix_caching=caching,
+            max_model_len=max_model_len,
+        )
+        self.bs = block_size
+        self.content: dict[int, list[int]] = {}  # block id -> tokens written into it
+        self.touched: dict[int, int] = {}  # block id -> last step that read or wrote it
+        self.tokens: dict[str, list[int]] = {}
+        self.next_id = 0
+
+    # -------------------------------------------------------------- helpers
+
+    def _new_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    def _mark_touched(self, req_id: str) -> None:
+        for block_id in self.cache.block_table(req_id):
+            self.touched[block_id] = self.cache.step
+
+    def _check_fresh(self, new_blocks: list[int]) -> None:
+        for block_id in new_blocks:
+            assert self.touched.get(block_id, 0) <= self.cache.last_fence, (
+                f"block {block_id} recycled before the fence of step {self.touched[block_id]}"
+            )
+
+    def _append(self, req_id: str, tokens: list[int]) -> bool:
+        before = len(self.tokens[req_id])
+        try:
+            result = self.cache.append(req_id, tokens)
+        except (OutOfBlocksError, CapacityError) as exc:
+            event(f"append refused: {type(exc).__name__}")
+            return False
+        if result.copies:
+            event("copy-on-write")
+        self._check_fresh(result.new_blocks)
+        for copy in result.copies:
+            self.content[copy.dst] = list(self.content[copy.src][: copy.num_tokens])
+        for block_id in result.new_blocks:
+            self.content.setdefault(block_id, [])
+            if block_id not in {c.dst for c in result.copies}:
+                self.content[block_id] = []
+        table = self.cache.block_table(req_id)
+        for offset, token in enumerate(tokens):
+            pos = before + offset
+            block = self.content[table[pos // self.bs]]
+            del block[pos % self.bs :]
+            block.append(token)
+        self.tokens[req_id].extend(tokens)
+        self._mark_touched(req_id)
+        return True
+
+    # -------------------------------------------------------------- rules
+
+    @rule(
+        target=requests,
+        prompt=prompts,
+        tenant=st.sampled_from(TENANTS),
+        prefill=st.booleans(),
+        fence=st.booleans(),
+    )
+    def add(self, prompt: list[int], tenant: Namespace, prefill: bool, fence: bool):
+        req_id = self._new_id()
+        try:
+            cached = self.cache.add_request(req_id, prompt, namespace=tenant)
+        except CapacityError:
+            return multiple()
+        assert cached % self.bs == 0 and cached < len(prompt)
+        if cached:
+            event("prefix hit")
+        table = self.cache.block_table(req_id)
+        for i, block_id in enumerate(table):
+            assert self.content[block_id] == prompt[i * self.bs : (i + 1) * self.bs]
+        self.tokens[req_id] = list(prompt[:cached])
+        if prefill:
+            self._append(req_id, prompt[cached:])
+        if fence:
+            self.cache.complete_step()
+        return req_id
+
+    @rule(req_id=requests, tokens=st.lists(st.integers(0, 3), min_size=1, max_size=5))
+    def append(self, req_id: str, tokens: list[int]) -> None:
+        assume(req_id in self.tokens)
+        before = self.cache.num_reclaimable
+        needed = self.cache.blocks_needed(req_id, len(tokens))
+        ok = self._append(req_id, tokens)
+        if not ok:
+            assert self.cache.num_reclaimable == before
+        else:
+            assert needed <= before
+
+    @rule(target=requests, req_id=requests)
+    def fork(self, req_id: str):
+        assume(req_id in self.tokens)
+        child = self._new_id()
+        self.cache.fork(req_id, child)
+        self.tokens[child] = list(self.tokens[req_id])
+        return child
+
+    @rule(req_id=consumes(requests))
+    def finish(self, req_id: str) -> None:
+        assume(req_id in self.tokens)
+        self.cache.finish(req_id)
+        del self.tokens[req_id]
+        if self.cache.usage().blocks_by_state["draining"]:
+            event("finish left blocks draining")
+        with pytest.raises(UnknownRequestError):  # a double free is refused
+            self.cache.finish(req_id)
+
+    @rule(req_id=requests)
+    def read(self, req_id: str) -> None:
+        assume(req_id in self.tokens)
+        self.cache.touch(req_id)
+        self._mark_touched(req_id)
+
+    @rule()
+    def complete_step(self) -> None:
+        self.cache.complete_step()
+
+    @rule()
+    def issue_next_step(self) -> None:
+        self.cache.next_step()
+
+    @precondition(lambda self: self.cache.step - 1 > self.cache.last_fence)
+    @rule(data=st.data())
+    def fence_older_step(self, data) -> None:
+        step = data.draw(st.integers(self.cache.last_fence, self.cache.step - 1))
+        self.cache.fence(step)
+
+    @precondition(lambda self: self.cache.last_fence > 0)
+    @rule()
+    def fence_backwards_is_refused(self) -> None:
+        with pytest.raises(FenceError):
+            self.cache.fence(self.cache.last_fence - 1)
+        with pytest.raises(FenceError):
+            self.cache.fence(self.cache.step + 1)
+
+    @rule(n=st.integers(1, 4))
+    def evict(self, n: int) -> None:
+        reclaimable = self.cache.num_reclaimable
+        evicted = self.cache.evict(n)
+        if evicted:
+            event("evicted")
+        assert evicted <= n
+        assert self.cache.num_reclaimable == reclaimable  # evicted blocks became free
+
+    @rule(prompt=prompts, tenant=st.sampled_from(TENANTS))
+    def match(self, prompt: list[int], tenant: Namespace) -> None:
+        nodes = self.cache.match(prompt, namespace=tenant)
+        assert len(nodes) <= (len(prompt) - 1) // self.bs
+        for i, node in enumerate(nodes):
+            block = node.block
+            assert block.state in (BlockState.PUBLISHED, BlockState.EVICTABLE)
+            assert block.write_step <= self.cache.last_fence, "unfenced block visible"
+            assert self.content[block.block_id] == prompt[i * self.bs : (i + 1) * self.bs]
+
+    @rule(tenant=st.sampled_from((None, *TENANTS)))
+    def invalidate(self, tenant) -> None:
+        self.cache.invalidate(tenant)
+        if tenant is not None:
+            assert self.cache.match(BASES[0], namespace=tenant) == []
+
+    @rule(req_id=requests)
+    def duplicate_id_is_refused(self, req_id: str) -> None:
+        assume(req_id in self.tokens)
+        with pytest.raises(DuplicateRequestError):
+            self.cache.add_request(req_id, [1, 2, 3])
+
+    # -------------------------------------------------------------- invariants
+
+    @invariant()
+    def audit(self) -> None:
+        self.cache.check_invariants()
+        for req_id, tokens in self.tokens.items():
+            table = self.cache.block_table(req_id)
+            held = [t for block_id in table for t in self.content[block_id]]
+            assert held == tokens, f"{req_id} reads {held}, wrote {tokens}"
+        usage = self.cache.usage()
+        assert sum(usage.blocks_by_state.values()) == len(self.cache.pool)
