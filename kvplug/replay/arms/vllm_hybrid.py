@@ -285,7 +285,7 @@ class VLLMHybridArm(CacheArm):
 
     def _prefill_chunks(self, request: Request, start: int, count: int) -> list[int]:
         """The scheduler steps that compute `count` units after `start`."""
-        return prefill_chunks(self.split_scheduler, request, start, count)
+        return prefill_chunks(self._split_scheduler, request, start, count)
 
     def _record_hits(self, hit_blocks: KVCacheBlocks) -> None:
         from vllm.v1.core.kv_cache_utils import (
