@@ -30,10 +30,11 @@ Every method is O(1) plus the policy's O(log n).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from heapq import heappop, heappush
 from typing import Generic, Protocol, TypeVar
 
-from kvplug.policies.base import EvictionPolicy
+from kvplug.policies.base import EvictionPolicy, RankedPolicy
 from kvplug.policies.node import CachedNode
 
 
@@ -172,6 +173,47 @@ class EvictionCore(Generic[N]):
             self.policy.release(upper)
             upper.evictable = True
             self.num_evictable += 1
+
+    def iter_victims(self, gone: Sequence[N] = ()) -> Iterator[N]:
+        """Every evictable node in the order successive `pop_victim` calls would take them
+        once the evictable nodes `gone` have left first (nothing else changing
+        meanwhile), changing nothing: the candidates in the policy's order, merged with
+        each parent at the point its last cached child would leave (its rank is the one
+        of its release, as `pop_victim` would find it). For a `RankedPolicy`; another
+        policy yields its current candidates only (`choose_victims`)."""
+        policy = self.policy
+        if not isinstance(policy, RankedPolicy):
+            skip = {node.serial for node in gone}
+            for node in policy.choose_victims(len(policy)):
+                if node.serial not in skip:
+                    yield node  # type: ignore[misc]
+            return
+        promoted: list[tuple[tuple[float, int, int], N]] = []  # parents left without children
+        children_left: dict[int, int] = {}
+        skip = {node.serial for node in gone}
+
+        def leaves(node: N) -> None:
+            parent = live_parent(node)
+            if parent is not None and parent.evictable and parent.serial not in skip:
+                left = children_left.get(parent.serial, parent.cached_children) - 1
+                children_left[parent.serial] = left
+                if left == 0:
+                    heappush(promoted, (policy.entry_of(parent), parent))  # type: ignore[misc]
+
+        for node in gone:
+            leaves(node)
+        candidates = policy.iter_ranked()
+        upcoming = next(candidates, None)
+        while upcoming is not None or promoted:
+            if promoted and (upcoming is None or promoted[0][0] < upcoming[0]):
+                _, node = heappop(promoted)
+            else:
+                node = upcoming[1]  # type: ignore[index,assignment]
+                upcoming = next(candidates, None)
+                if node.serial in skip:
+                    continue
+            yield node
+            leaves(node)
 
     def next_victim(self) -> N | None:
         """The candidate the policy evicts first, or None. Changes nothing."""

@@ -17,7 +17,7 @@ Every method must run in O(log n) or better (amortised) in the number of cached 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from heapq import heapify, heappop, heappush
 from itertools import count
 from typing import TYPE_CHECKING, ClassVar
@@ -200,6 +200,25 @@ class RankedPolicy(EvictionPolicy):
             return [] if first is None else [first]
         current = sorted(self._rank[serial] for serial in self._nodes)
         return [self._nodes[serial] for *_, serial in current[:n]]
+
+    def iter_ranked(self) -> Iterator[tuple[tuple[float, int, int], CachedNode]]:
+        """The current candidates with their entries, lowest (evicted first) first, without
+        changing anything: the heap read in order through a frontier of its positions,
+        O(log n) per candidate and nothing copied. The caller changes nothing meanwhile."""
+        heap, nodes, ranks = self._heap, self._nodes, self._rank
+        if not heap:
+            return
+        frontier = [(heap[0], 0)]
+        size = len(heap)
+        while frontier:
+            entry, at = heappop(frontier)
+            for child in (2 * at + 1, 2 * at + 2):
+                if child < size:
+                    heappush(frontier, (heap[child], child))
+            serial = entry[2]
+            node = nodes.get(serial)
+            if node is not None and ranks[serial][1] == entry[1]:  # current: first_candidate
+                yield entry, node
 
     def lowest_rank(self) -> float | None:
         """The rank of the next victim, or None if there is no candidate."""

@@ -196,6 +196,24 @@ class HybridRules:
         if unranked:
             eviction.release_unranked(unranked)
 
+    def queued_first(self) -> list[CachedBlock]:
+        """The records `next_victim` takes before the policy's choice as things stand
+        (retiring dependents, then the evicted-first queue), without changing anything."""
+        is_candidate, found = self._eviction.is_candidate, []
+        for record, serial, needed in self._retiring:
+            if not self._is_cached(needed) and record.serial == serial and is_candidate(record):
+                found.append(record)
+        for record, serial in self._first:
+            if record.serial != serial or not is_candidate(record) or record in found:
+                continue
+            if record.key[-4:] in self._full_suffixes:
+                if not self._cached_elsewhere(record.key, record.block.block_id):
+                    continue
+            elif record.anchored:
+                continue
+            found.append(record)
+        return found
+
     def next_victim(self) -> CachedBlock | None:
         """The record to evict next, or None if there is none; the pool forgets it and
         hands its block out. In order: a retiring dependent whose victim's hash is still

@@ -46,7 +46,7 @@ Invariants (checked by `check_invariants`):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import count
 from typing import Any, ClassVar
@@ -305,7 +305,7 @@ class KVPlugBlockPool(BlockPool):
         self.free_block_queue.make_all_fresh()
         for block in self.blocks:
             if self._keys[block.block_id] is not None:
-                self._forget(block)
+                self.forget(block)
         return True
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
@@ -315,7 +315,7 @@ class KVPlugBlockPool(BlockPool):
             if queue.is_cached(block):  # evicted on request while free: fresh from now on
                 queue.remove(block)
                 queue.prepend_n([block])
-            self._forget(block)
+            self.forget(block)
         return super()._maybe_evict_cached_block(block)
 
     # -- called by PolicyFreeQueue ------------------------------------------------------
@@ -363,7 +363,7 @@ class KVPlugBlockPool(BlockPool):
             record = pop_victim()
             if record is None:  # unreachable while the child counts are exact
                 block = self.free_block_queue.any_cached(victims)
-                self._forget(block)
+                self.forget(block)
             else:
                 block = record.block
                 record.serial = -1  # `_forget`, less the core's part, which is done
@@ -372,6 +372,21 @@ class KVPlugBlockPool(BlockPool):
             victims.append(block)
         self._num_keys -= popped
         return victims
+
+    def iter_victims(self, gone: Sequence[KVCacheBlock] = ()) -> Iterator[KVCacheBlock]:
+        """The cached free blocks in the order `evict_n` would take them once `gone` (the
+        queue's evict-first lane) has left first, changing nothing. A hybrid pool's rules
+        retire other groups' blocks as it goes: its order is the policy's, after the
+        rules' own first-out queue, and not exact where a victim retires a window."""
+        slots = self._slots
+        records = [slots[block.block_id] for block in gone]
+        if self.rules is not None:
+            first = self.rules.queued_first()
+            records += first
+            for record in first:
+                yield record.block
+        for record in self.eviction.iter_victims(records):
+            yield record.block
 
     def evict_next(self, taken: Sequence[KVCacheBlock] = ()) -> KVCacheBlock:
         """Forget the next victim (its hash goes when vLLM hands the block out) and return
@@ -384,7 +399,7 @@ class KVPlugBlockPool(BlockPool):
             block: KVCacheBlock = victim.block
         else:  # unreachable while the child counts are exact; never strand a free block
             block = self.free_block_queue.any_cached(taken)
-        self._forget(block)
+        self.forget(block)
         return block
 
     def on_evicted(self, blocks: list[KVCacheBlock]) -> None:
@@ -401,7 +416,7 @@ class KVPlugBlockPool(BlockPool):
     def _adopt(self, block: KVCacheBlock, key: Any) -> None:
         """`block` holds `key`, which the pool does not account for yet: count it."""
         if self._keys[block.block_id] is not None:  # the block holds another hash now
-            self._forget(block)
+            self.forget(block)
         if self._evicted.pop(key, 0) is None:
             self.stats.churn += 1
         self._keys[block.block_id] = key
@@ -420,7 +435,7 @@ class KVPlugBlockPool(BlockPool):
         self.eviction.insert(record, parent)
         return record
 
-    def _forget(self, block: KVCacheBlock) -> None:
+    def forget(self, block: KVCacheBlock) -> None:
         """`block` no longer holds the hash the pool accounts for: it leaves the eviction
         core (tracked) and the pool's count."""
         record = self._slots[block.block_id]

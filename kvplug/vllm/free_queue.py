@@ -8,9 +8,18 @@ out its head. `PolicyFreeQueue` has the same interface, split in two:
 - *cached* blocks (a hash, no holder) are the eviction candidates' pool: when no fresh
   block is left, the queue evicts the eviction core's next victim (its `KVPlugBlockPool`
   names it). With ``lru`` the pool uses vLLM's own queue instead (`ReleaseOrderPool`).
+- cached blocks freed *to evict first* (vLLM's ``free_blocks(..., evict_first=True)``: a
+  lazy offloader gives back blocks another tier now holds) wait in a first-in lane and are
+  evicted before the policy's victims, as vLLM's own queue would; they stay cached (a
+  prefix hit takes them back) and ranked, for when the lane no longer holds them.
+
+**The order is the eviction order.** ``iter_blocks_after`` (what vLLM's lazy CPU offload
+and other tiers walk from the head, expecting the blocks the allocator takes next) yields
+exactly the order ``popleft`` would hand blocks out in: fresh blocks, the lane, then the
+pool's victims in its policy's order (`KVPlugBlockPool.iter_victims`).
 
 Invariant: a block is in at most one of the two sets, and ``num_free_blocks`` is their
-total size.
+total size; every live lane entry is a cached block.
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ class PolicyFreeQueue:
         self._fresh: deque[tuple[KVCacheBlock, int]] = deque()  # right end goes out first
         self._fresh_entry: dict[int, int] = {}  # block id -> serial of its live entry
         self._cached: dict[int, KVCacheBlock] = {}  # block id -> block
+        self._first: deque[tuple[KVCacheBlock, int]] = deque()  # evict-first lane, left first
+        self._first_entry: dict[int, int] = {}  # block id -> serial of its live lane entry
         self._serials = count()
         for block in reversed(blocks):
             self._push_fresh(block, first=True)
@@ -77,6 +88,7 @@ class PolicyFreeQueue:
         if self._fresh_entry.pop(block.block_id, None) is not None:
             return
         del self._cached[block.block_id]
+        self._first_entry.pop(block.block_id, None)
         self.pool.on_unfree(block)
 
     def append(self, block: KVCacheBlock) -> None:
@@ -99,13 +111,38 @@ class PolicyFreeQueue:
             self.pool.on_free_n(released)
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Free blocks that hold nothing reusable; `blocks[0]` goes out first."""
+        """Free blocks to go out first, `blocks[0]` first: those holding nothing reusable
+        before every other free block; cached ones (vLLM's ``evict_first``) into the lane,
+        ranked like any release."""
+        caching = self.pool.enable_caching
+        lane: list[KVCacheBlock] = []
         for block in reversed(blocks):
-            self._push_fresh(block, first=True)
+            if caching and block._block_hash is not None:
+                lane.append(block)
+            else:
+                self._push_fresh(block, first=True)
+        if lane:
+            lane.reverse()
+            self.append_n(lane)
+            for block in lane:
+                serial = next(self._serials)
+                self._first_entry[block.block_id] = serial
+                self._first.append((block, serial))
+
+    def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
+        """The free blocks in the order they will be handed out, after `cursor` (None: from
+        the head; a cursor no longer free: from the head as well). Nothing may change
+        while it is read."""
+        order = self._eviction_order()
+        if cursor is not None and (self.is_fresh(cursor) or self.is_cached(cursor)):
+            for block in order:
+                if block is cursor:
+                    break
+        yield from order
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        fresh = [b for b, s in reversed(self._fresh) if self._fresh_entry.get(b.block_id) == s]
-        return fresh + list(self._cached.values())
+        """Every free block, in the order they will be handed out."""
+        return list(self._eviction_order())
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         return iter(self.get_all_free_blocks())
@@ -125,6 +162,15 @@ class PolicyFreeQueue:
         skip = {block.block_id for block in taken}
         return next(b for i, b in self._cached.items() if i not in skip)
 
+    def _eviction_order(self) -> Iterator[KVCacheBlock]:
+        fresh, lane = self._fresh_entry, self._first_entry
+        for block, serial in reversed(self._fresh):
+            if fresh.get(block.block_id) == serial:
+                yield block
+        first = [block for block, serial in self._first if lane.get(block.block_id) == serial]
+        yield from first
+        yield from self.pool.iter_victims(first)
+
     def make_all_fresh(self) -> None:
         """Move every cached block to the fresh stack (their hashes are gone)."""
         for block in list(self._cached.values()):
@@ -132,9 +178,19 @@ class PolicyFreeQueue:
             self._push_fresh(block, first=True)
 
     def _take_victims(self, n: int) -> list[KVCacheBlock]:
-        """Evict `n` cached blocks (there are that many), the pool's choices in order."""
+        """Evict `n` cached blocks (there are that many): the lane's, then the pool's
+        choices, in order."""
         cached, pool = self._cached, self.pool
-        victims = pool.evict_n(n)
+        victims: list[KVCacheBlock] = []
+        lane, first = self._first_entry, self._first
+        while lane and len(victims) < n:
+            block, serial = first.popleft()
+            if lane.get(block.block_id) == serial:
+                del lane[block.block_id]
+                pool.forget(block)
+                victims.append(block)
+        if len(victims) < n:
+            victims += pool.evict_n(n - len(victims))
         for block in victims:
             del cached[block.block_id]
         pool.on_evicted(victims)
