@@ -117,7 +117,7 @@ def test_plugin_adds_choices_strategies_and_backends() -> None:
 
 
 def test_third_party_policies_appear(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvplug import policies
+    from kvplug.policies import registry as policies
     from kvplug.policies.lru import LRUPolicy
     from kvplug.sglang.strategy import policy_choices
 
