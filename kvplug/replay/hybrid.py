@@ -27,16 +27,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from kvplug.core.groups import GroupKind
-from kvplug.errors import KVPlugError, UnknownPolicyError
+from kvplug.errors import KVPlugError
 from kvplug.hybrid.cache import HybridCache
 from kvplug.hybrid.policy import HYBRID_POLICIES
 from kvplug.hybrid.spec import HybridSpec
+from kvplug.replay.arm_spec import Cache, parse_arm, parse_arms
 from kvplug.replay.arms.base import FRESH_UNIT_BASE, ArmStats, ArmUnavailable, CacheArm
 from kvplug.replay.loop import Job, Timing, make_jobs, replay
 from kvplug.replay.trace import Trace
 
-HYBRID_STOCK_ARMS = ("vllm-stock", "sglang-stock")
-HYBRID_ENGINE_ARMS = ("vllm-kvplug", "sglang-kvplug")
 GIB = 1024**3
 
 
@@ -103,26 +102,17 @@ class HybridRow:
 
 
 def check_hybrid_arms(names: list[str]) -> None:
-    for name in names:
-        base, _, policy = name.partition(":")
-        if name in HYBRID_POLICIES or name in HYBRID_STOCK_ARMS:
-            continue
-        if base in HYBRID_STOCK_ARMS[1:] and policy:
-            continue
-        if base in HYBRID_ENGINE_ARMS and policy in HYBRID_POLICIES:
-            continue
-        raise UnknownPolicyError(
-            f"unknown hybrid arm {name!r}; accepted: {', '.join(HYBRID_POLICIES)}, vllm-stock, "
-            "vllm-kvplug:<lru|cost>, sglang-stock[:<policy>], sglang-kvplug:<lru|cost>"
-        )
+    """Raise, naming what is accepted, if any hybrid arm name is unknown."""
+    parse_arms(names, HYBRID_POLICIES, "hybrid arm")
 
 
 def build_hybrid_arm(
     name: str, spec: HybridSpec, capacity_bytes: int, block_tokens: int
 ) -> CacheArm:
     """Raises `ArmUnavailable` when the arm's engine is missing."""
-    base, _, policy = name.partition(":")
-    if base in ("vllm-stock", "vllm-kvplug"):
+    arm_spec = parse_arm(name, HYBRID_POLICIES, "hybrid arm")
+    policy = arm_spec.kvplug_policy
+    if arm_spec.engine == "vllm":
         try:
             from kvplug.replay.arms.vllm_hybrid import VLLMHybridArm
         except ImportError as exc:
@@ -133,7 +123,7 @@ def build_hybrid_arm(
         arm = VLLMHybridArm(spec, capacity_bytes, block_tokens, policy=kvplug_policy)
         arm.name = name
         return arm
-    if base in ("sglang-stock", "sglang-kvplug"):
+    if arm_spec.engine == "sglang":
         try:
             from kvplug.replay.arms.sglang_hybrid import SGLangHybridArm
         except ImportError as exc:
@@ -142,8 +132,8 @@ def build_hybrid_arm(
             spec,
             capacity_bytes,
             block_tokens,
-            policy=policy or "lru",
-            kvplug=base == "sglang-kvplug",
+            policy=arm_spec.policy or "lru",
+            kvplug=arm_spec.cache is Cache.SGLANG_KVPLUG,
         )
         arm.name = name
         return arm

@@ -19,21 +19,17 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvplug.core.model_spec import ModelSpec
-from kvplug.errors import ConfigError, KVPlugError, UnknownPolicyError
+from kvplug.errors import ConfigError, KVPlugError
 from kvplug.policies import (
     EvictionPolicy,
     PolicyContext,
-    available_policies,
     make_policy,
-    online_policies,
     policy_parameters,
 )
+from kvplug.replay.arm_spec import Cache, parse_arm, parse_arms
 from kvplug.replay.arms.base import ArmUnavailable, CacheArm, KVPlugArm
 from kvplug.replay.loop import Job, Timing, make_jobs, replay
 from kvplug.replay.trace import Trace
-
-STOCK_ARMS = ("vllm-stock", "sglang-stock")
-ENGINE_ARMS = ("vllm-kvplug", "sglang-kvplug")  # kvplug's policy inside an engine's cache
 
 
 @dataclass
@@ -61,25 +57,12 @@ class ReplayRow:
 
 def check_arm_names(names: list[str]) -> None:
     """Raise, naming what is accepted, if any arm name is unknown."""
-    known = available_policies()
-    for name in names:
-        base = name.split(":", 1)[0]
-        if name in known or base in STOCK_ARMS:
-            continue
-        if base in ENGINE_ARMS and name.partition(":")[2] in online_policies():
-            continue
-        raise UnknownPolicyError(
-            f"unknown arm {name!r}; accepted: {', '.join(known)}, vllm-stock, "
-            "sglang-stock:<policy>, vllm-kvplug:<kvplug policy>, sglang-kvplug:<kvplug policy>"
-        )
+    parse_arms(names)
 
 
 def engine_of(arm: str) -> str | None:
     """The engine an arm runs inside (``vllm``, ``sglang``), or None for kvplug's own cache."""
-    base = arm.split(":", 1)[0]
-    if base in STOCK_ARMS or base in ENGINE_ARMS:
-        return base.split("-", 1)[0]
-    return None
+    return parse_arm(arm).engine
 
 
 def missing_engines(arms: list[str]) -> dict[str, str]:
@@ -130,10 +113,9 @@ def accepted_parameters(policy: str) -> set[str]:
 def check_policy_config(arms: list[str], config: Mapping[str, Any]) -> None:
     """Raise, naming what the arms accept, if a key of `config` is taken by no arm's policy."""
     accepted: set[str] = set()
-    for name in arms:
-        policy = name.partition(":")[2] if name.split(":", 1)[0] in ENGINE_ARMS else name
-        if policy in available_policies():
-            accepted |= accepted_parameters(policy)
+    for spec in parse_arms(arms):
+        if spec.kvplug_policy is not None:
+            accepted |= accepted_parameters(spec.kvplug_policy)
     for key in config:
         if key not in accepted:
             raise ConfigError(
@@ -151,27 +133,24 @@ def build_arm(
     config: Mapping[str, Any] | None = None,
 ) -> CacheArm:
     """Raises `ArmUnavailable` for a stock arm whose engine is missing."""
-    if name == "vllm-stock":
+    spec = parse_arm(name)
+    if spec.cache is Cache.VLLM_STOCK or spec.cache is Cache.VLLM_KVPLUG:
         from kvplug.replay.arms.vllm import VLLMStockArm
 
-        return VLLMStockArm(capacity)
-    if name.startswith("vllm-kvplug:"):
-        from kvplug.replay.arms.vllm import VLLMStockArm
-
-        policy = arm_policy(name.partition(":")[2], block_tokens, config)
-        return VLLMStockArm(capacity, policy=policy)
-    if name.startswith("sglang-kvplug:"):
+        if spec.kvplug_policy is None:
+            return VLLMStockArm(capacity)
+        return VLLMStockArm(capacity, policy=arm_policy(spec.kvplug_policy, block_tokens, config))
+    if spec.cache is Cache.SGLANG_KVPLUG:
         from kvplug.replay.arms.sglang_kvplug import SGLangKVPlugArm
 
-        policy = name.partition(":")[2]
-        params = policy_params(policy, config)
-        if "tokens_per_block" in (policy_parameters(policy) or ()):
+        params = policy_params(spec.policy, config)
+        if "tokens_per_block" in (policy_parameters(spec.policy) or ()):
             params["tokens_per_block"] = block_tokens
-        return SGLangKVPlugArm(capacity, policy, policy_config=params)
-    if name.startswith("sglang-stock"):
+        return SGLangKVPlugArm(capacity, spec.policy, policy_config=params)
+    if spec.cache is Cache.SGLANG_STOCK:
         from kvplug.replay.arms.sglang import SGLangStockArm
 
-        return SGLangStockArm(capacity, policy=name.partition(":")[2] or "lru")
+        return SGLangStockArm(capacity, policy=spec.policy)
     arm = KVPlugArm(name, arm_policy(name, block_tokens, config), capacity)
     if arm.cache.policy.offline:
         arm.cache.policy.foresee(requests_reaching(jobs, arm, sequential))
