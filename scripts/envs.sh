@@ -54,3 +54,35 @@ ensure_sglang_env() {
   # Refresh kvplug's own metadata (entry points: SGLang finds kvplug's plugin through them)
   _pip .venv-sglang --no-deps -e .
 }
+
+# vLLM 0.33.0 and 0.34.0 side by side on one torch (requirements/vllm-next.txt says why and
+# what): .venv-vllm-next holds torch 2.14.0 (both wheels pin it; PyPI's build runs on the
+# CPU), their pure-Python imports and kvplug; each release sits in .venv-vllm-next/vllm-0.3x,
+# chosen with PYTHONPATH. Neither has a CPU build, so their tests run at the level of vLLM's
+# own KV-cache manager, block pool and scheduler calls (no model, no server).
+VLLM_NEXT_RELEASES="0.33.0 0.34.0"
+
+ensure_vllm_next_env() {
+  local py=.venv-vllm-next/bin/python release dir
+  [ -x "$py" ] || { step "creating .venv-vllm-next (vLLM 0.33 and 0.34 on one torch)"; \
+    python3 -m venv .venv-vllm-next; }
+  if ! "$py" -c 'import torch; assert torch.__version__.startswith("2.14.0")' 2>/dev/null; then
+    step "installing torch 2.14.0 into .venv-vllm-next (first run only)"
+    _pip .venv-vllm-next torch==2.14.0
+  fi
+  if ! "$py" -c 'import transformers, zmq, msgspec, cbor2, xgrammar, openai_harmony, httpx, pytest, kvplug' \
+      2>/dev/null; then
+    step "installing vLLM's pure-Python imports and kvplug into .venv-vllm-next"
+    _pip .venv-vllm-next -r requirements/vllm-next.txt -e '.[dev]'
+  fi
+  for release in $VLLM_NEXT_RELEASES; do
+    dir=".venv-vllm-next/vllm-${release%.*}"
+    if ! PYTHONPATH="$dir" "$py" -c "import vllm, sys; sys.exit(vllm.__version__ != '$release')" \
+        >/dev/null 2>&1; then
+      step "installing vLLM $release (no dependencies) into $dir"
+      rm -rf "$dir"
+      _pip .venv-vllm-next --no-deps --target "$dir" "vllm==$release"
+    fi
+  done
+  _pip .venv-vllm-next --no-deps -e .  # refresh kvplug's entry points
+}

@@ -64,7 +64,7 @@ from typing import Any, NamedTuple
 
 import torch
 import vllm
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -76,6 +76,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 import kvplug.vllm
 from kvplug.vllm.block_pool import KVPlugBlockPool
+from kvplug.vllm.compat import model_runner_output
 
 STOCK = "stock"
 TOKEN_BASE = 4  # token ids below this are the tiny model's special tokens
@@ -237,7 +238,10 @@ def build_vllm_config(model_dir: Path, workload: Workload, num_blocks: int) -> V
         is_encoder_decoder=False,
     )
     config = VllmConfig(
-        model_config=model_config, cache_config=cache_config, scheduler_config=scheduler_config
+        model_config=model_config,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        device_config=DeviceConfig(device="cpu"),  # no model runs; no platform is needed
     )
     config.cache_config.num_gpu_blocks = num_blocks
     return config
@@ -356,11 +360,7 @@ class Arm:
                 sampled.append([])
             else:
                 sampled.append([output_token(int(req_id), request.num_output_tokens)])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
+        return model_runner_output(req_ids, sampled)
 
     def fresh_free_blocks(self) -> int:
         """Free blocks holding no cached hash: allocations take these before evicting."""

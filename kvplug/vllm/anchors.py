@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvplug.core.eviction import live_parent
 from kvplug.core.groups import GroupKind
+from kvplug.vllm.compat import cached_blocks
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -313,12 +314,12 @@ class HybridRules:
 
     def _cached_elsewhere(self, key: Any, block_id: int) -> bool:
         """Whether a block other than `block_id` holds `key` (vLLM caches duplicates; its
-        map holds them in a dict by block id)."""
-        blocks = self.pool.cached_block_hash_to_block._cache.get(key)
-        if not isinstance(blocks, dict):
+        map's layout differs by release: `kvplug.vllm.compat.cached_blocks`)."""
+        blocks = cached_blocks(self.pool.cached_block_hash_to_block, key)
+        if len(blocks) < 2:
             return False
         keys = self._keys
-        return any(i != block_id and keys[i] == key for i in blocks)
+        return any(b.block_id != block_id and keys[b.block_id] == key for b in blocks)
 
     # -- audit ---------------------------------------------------------------------------
     def is_unranked(self, record: CachedBlock) -> bool:

@@ -310,13 +310,17 @@ class KVPlugBlockPool(BlockPool):
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """vLLM drops a block's hashes when it is handed out or evicted on request."""
-        if self._keys[block.block_id] is not None:
-            queue = self.free_block_queue
-            if queue.is_cached(block):  # evicted on request while free: fresh from now on
-                queue.remove(block)
-                queue.prepend_n([block])
-            self.forget(block)
-        return super()._maybe_evict_cached_block(block)
+        if self._keys[block.block_id] is None:
+            return super()._maybe_evict_cached_block(block)
+        queue = self.free_block_queue
+        free = queue.is_cached(block)
+        if free:  # evicted on request while free: fresh from now on
+            queue.remove(block)
+        self.forget(block)
+        evicted = super()._maybe_evict_cached_block(block)
+        if free:  # its hash is gone now, so it goes back as a fresh block
+            queue.prepend_n([block])
+        return evicted
 
     # -- called by PolicyFreeQueue ------------------------------------------------------
     def on_free_n(self, released: list[tuple[int, KVCacheBlock]]) -> None:

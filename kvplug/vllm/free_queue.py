@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+import kvplug.vllm.compat  # noqa: F401 - KVCacheBlock._block_hash on every vLLM release
+
 if TYPE_CHECKING:
     from kvplug.vllm.block_pool import KVPlugBlockPool
 

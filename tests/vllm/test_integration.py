@@ -35,6 +35,8 @@ from kvplug.tools.tiny_model import build_tiny_model  # noqa: E402
 from kvplug.vllm.block_pool import KVPlugBlockPool  # noqa: E402
 from kvplug.vllm.version import UnsupportedEngineError  # noqa: E402
 
+pytestmark = pytest.mark.vllm_engine  # in-process engines: vLLM's CPU build
+
 BLOCK = 32
 WORDS = [
     "alpha",

@@ -50,6 +50,7 @@ from vllm_server_util import free_port  # noqa: E402
 
 from kvplug.tools.tiny_model import build_tiny_model  # noqa: E402
 from kvplug.vllm.block_pool import KVPlugBlockPool  # noqa: E402
+from kvplug.vllm.compat import cached_items  # noqa: E402
 
 pytestmark = pytest.mark.vllm_engine
 
@@ -127,9 +128,9 @@ def pool_hashes(pool: KVPlugBlockPool) -> tuple[Counter[HashKey], set[int]]:
     blocks it maps to; and the ids of those blocks."""
     held: Counter[HashKey] = Counter()
     block_ids: set[int] = set()
-    # BlockHashToBlockMap has no public iteration: one block, or {block_id: block}.
-    for key, blocks in pool.cached_block_hash_to_block._cache.items():
-        ids = list(blocks) if isinstance(blocks, dict) else [blocks.block_id]
+    # BlockHashToBlockMap has no public iteration; its layout differs by release.
+    for key, blocks in cached_items(pool.cached_block_hash_to_block):
+        ids = [block.block_id for block in blocks]
         external = maybe_convert_block_hash(get_block_hash(key))
         held[(pool.medium, get_group_id(key), external)] += len(ids)
         block_ids.update(ids)

@@ -26,7 +26,7 @@ from kvplug.replay.arms.base import (  # noqa: E402
     CacheArm,
     KVPlugArm,
 )
-from kvplug.replay.arms.vllm import SUPPORTED_VLLM_VERSION, VLLMStockArm  # noqa: E402
+from kvplug.replay.arms.vllm import SUPPORTED_VLLM_VERSIONS, VLLMStockArm  # noqa: E402
 
 F = FRESH_UNIT_BASE
 
@@ -162,9 +162,11 @@ def test_unavailable_with_another_vllm_version(monkeypatch):
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", "0.31.0")
-    with pytest.raises(ArmUnavailable, match=r"supports vLLM 0\.32\.0 only.*0\.31\.0"):
+    with pytest.raises(
+        ArmUnavailable, match=r"supports vLLM 0\.32\.0 or .*0\.34\.0 only.*0\.31\.0"
+    ):
         VLLMStockArm(4)
-    assert SUPPORTED_VLLM_VERSION == "0.32.0"
+    assert SUPPORTED_VLLM_VERSIONS == ("0.32.0", "0.33.0", "0.34.0")
 
 
 def test_unavailable_without_vllm(monkeypatch):

@@ -20,7 +20,9 @@ from kvplug.core.cache import KVCache
 from kvplug.core.events import EventSink
 from kvplug.policies import EvictionPolicy
 
-FRESH_UNIT_BASE = 1 << 40  # unit ids at or above this are never shared
+# unit ids at or above this are never shared; below 2**31, as vLLM 0.34 keeps token ids in
+# int32 buffers (a trace's own ids must stay below it)
+FRESH_UNIT_BASE = 1 << 30
 
 
 @dataclass
@@ -34,8 +36,13 @@ class ArmUnavailable(Exception):
     """The arm's engine is not installed (or not a supported version) here."""
 
 
-def require_engine(module: str, name: str, version: str, arm: str, install: str) -> None:
-    """Raise `ArmUnavailable` unless `module` imports and is exactly `version`."""
+def require_engine(
+    module: str, name: str, version: str | tuple[str, ...], arm: str, install: str
+) -> None:
+    """Raise `ArmUnavailable` unless `module` imports and is exactly `version` (one of
+    them, given several)."""
+    versions = (version,) if isinstance(version, str) else version
+    version = " or ".join(versions)
     try:
         engine = importlib.import_module(module)
     except Exception as exc:  # any import failure means the engine cannot run here
@@ -44,7 +51,7 @@ def require_engine(module: str, name: str, version: str, arm: str, install: str)
             f"install it with {install}"
         ) from exc
     found = getattr(engine, "__version__", "unknown")
-    if found != version:
+    if found not in versions:
         raise ArmUnavailable(
             f"the {arm} arm supports {name} {version} only, but {name} {found} is installed; "
             "its cache code may differ"

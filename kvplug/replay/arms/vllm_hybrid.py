@@ -351,6 +351,7 @@ def split_scheduler() -> SimpleNamespace:
         block_size=1,
         hash_block_size=1,
         use_eagle_block_drop=False,
+        num_hash_lookahead_tokens=0,  # read from vLLM 0.33 on
         mamba_partial_cache_hit=False,
         mamba_has_prefill_checkpoint_blocks=False,
         mamba_prefill_checkpoint_alignment=None,
