@@ -90,7 +90,8 @@ class PolicyFreeQueue:
         if self._fresh_entry.pop(block.block_id, None) is not None:
             return
         del self._cached[block.block_id]
-        self._first_entry.pop(block.block_id, None)
+        if self._first_entry.pop(block.block_id, None) is not None and not self._first_entry:
+            self._first.clear()  # only stale entries were left: never let them pile up
         self.pool.on_unfree(block)
 
     def append(self, block: KVCacheBlock) -> None:
