@@ -25,5 +25,6 @@ its tree, allocation, locks, KV events and its own metrics.
 | `namespace` | the tenant and namespace salt folded into each request's ``cache_salt`` |
 | `stats` | `CacheStats` and the Prometheus exporter for SGLang's multiprocess ``/metrics`` |
 | `version` | the supported SGLang range, and the private names kvplug checks at start-up |
-| `bench` | ``kvplug bench sglang-cache``: cache operations, kvplug's policy against SGLang's |
+
+Its benchmark (``kvplug bench sglang-cache``) is `kvplug.bench.sglang_cache`.
 """

@@ -19,14 +19,16 @@ blocks at its position with it, since no junction can use them any more.
 |---|---|
 | `scheduler` | the `Scheduler` factory, kvplug's config, the namespace salt, statistics |
 | `kv_cache_manager` | the one construction site: vLLM's manager over kvplug's pool; group kinds |
-| `block_pool` | `KVPlugBlockPool` (vLLM's `BlockPool`), `ReleaseOrderPool` (lru), `CachedBlock` |
+| `block_pool` | `KVPlugBlockPool`, `ReleaseOrderPool` (lru), `pool_class`, `CachedBlock` |
 | `anchors` | `HybridRules`: a hybrid pool's cross-group retiring and anchored windows |
-| `free_queue` | `PolicyFreeQueue`: vLLM's free-queue interface, fresh blocks then victims |
+| `free_queue` | `PolicyFreeQueue`: vLLM's free-queue interface; its walk is the eviction order |
+| `compat` | everything that differs between the vLLM releases supported (0.32 to 0.34) |
 | `stats` | `PoolStats`, metrics snapshots and the Prometheus collector |
 | `plugin` | the ``vllm.general_plugins`` entry point |
 | `version` | the supported vLLM range and its check |
-| `bench` | ``kvplug bench vllm-step``: the scheduler step, kvplug's pool against stock |
-| `manager_bench` | ``kvplug bench vllm-manager``: vLLM's `KVCacheManager` alone, the same |
+
+The benchmarks of this adapter (``kvplug bench step``, ``manager``, ``block-pool``) are in
+`kvplug.bench`.
 """
 
 from __future__ import annotations
