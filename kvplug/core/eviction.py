@@ -120,6 +120,14 @@ class EvictionCore(Generic[N]):
         node.hits += 1
         self.policy.hit(node)
 
+    def held_elsewhere(self, node: N, held: bool = True) -> None:
+        """Another tier now holds a copy of `node`'s KV (or, `held` False, no longer does):
+        the policy is told, and may re-rank it if it is evictable (`tier_changed`)."""
+        if node.held_elsewhere == held:
+            return
+        node.held_elsewhere = held
+        self.policy.tier_changed(node, node.evictable)
+
     def touch(self, node: N) -> None:
         """`node` was accessed now, held or not (engines that order by access report it;
         an evictable node is then also re-ranked by its adapter: `reclaim`, `release`)."""

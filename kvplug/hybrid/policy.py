@@ -36,6 +36,7 @@ class HybridRecord:
     from_end: int = 0
     request_hit: bool = False
     request_output: int = 0
+    held_elsewhere: bool = False
     worth: float = 0.0
     candidate: bool = False
 

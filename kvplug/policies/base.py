@@ -40,6 +40,9 @@ class EvictionPolicy(ABC):
     offline: ClassVar[bool] = False
     release_order: ClassVar[bool] = False
     now: int = 0  # offline policies: the replay's clock
+    # it values a block another tier holds as a reload (`tier_changed`); an engine's own
+    # "evict first" lane for such blocks then gives way to the policy's ranking
+    prices_tiers: bool = False
 
     def foresee(self, requests: Mapping[Hashable, Sequence[int]]) -> None:
         """Offline policies: each block key -> the sorted indices of the requests whose
@@ -70,6 +73,11 @@ class EvictionPolicy(ABC):
         """`node` was accessed, held or not. Only engines that order by access rather than
         by release report this (SGLang stamps every node a lookup or insert walks); a
         policy ordered by recency takes a node's place from its latest access."""
+
+    def tier_changed(self, node: CachedNode, evictable: bool) -> None:
+        """`node.held_elsewhere` changed (another tier took or dropped a copy of it). A
+        policy that `prices_tiers` may re-rank it now if it is `evictable` (released and not
+        held since); otherwise its next release ranks it by the flag."""
 
     def release_n(self, nodes: Sequence[CachedNode]) -> None:
         """`release` for each of `nodes`, in order (one request's blocks, freed together).

@@ -24,7 +24,15 @@ and the evictable leaf with the lowest H goes first.
 - `L` is the inflation: it rises to each victim's H (a block the policy chose), so every
   score decays relative to newly ranked blocks at the pace at which the workload evicts.
   No half-life is set.
-  Ranks never change once given, so every operation is O(log n).
+  Ranks never change once given (but for the tier rule below), so every operation is
+  O(log n).
+
+Tiers. A block another tier holds (``held_elsewhere``: a CPU offload or LMCache copied it
+out, or it was loaded from there) costs only a reload if evicted, so with `tier_pricing`
+(on by default) its `value` is ``min(recompute, reload)``, the reload priced by
+`kvplug.policies.reload.HostLink` (`host_link_gbps`, `prefill_tflops`). When a block
+becomes held elsewhere while evictable, it is re-ranked at once (`tier_changed`) to the
+lower of its rank and the rank it would get now; a rank is never raised by a tier.
 
 A shared root is never a candidate while it has children, and its own H ages like any
 other, so hits below it do not make it immortal. Admission is the same test: a released
@@ -36,10 +44,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from heapq import heappush
 from typing import TYPE_CHECKING
 
 from kvplug.errors import ConfigError
 from kvplug.policies.base import RankedPolicy
+from kvplug.policies.reload import HostLink
 from kvplug.policies.value import BlockValue
 
 if TYPE_CHECKING:
@@ -57,8 +67,13 @@ class CostPolicy(RankedPolicy):
         tokens_per_block: int | None = None,
         ghost_ratio: float = 2.0,
         frequency_weight: float = 1.0,
+        tier_pricing: bool = True,
+        host_link_gbps: float = 25.0,
+        prefill_tflops: float = 400.0,
     ) -> None:
         super().__init__()
+        if not isinstance(tier_pricing, bool):
+            raise ConfigError(f"tier_pricing must be true or false, got {tier_pricing!r}")
         if not isinstance(frequency_weight, int | float) or not frequency_weight >= 0:
             raise ConfigError(
                 f"frequency_weight must be a number >= 0 (1: GDSF's frequency term, 0: none), "
@@ -67,6 +82,10 @@ class CostPolicy(RankedPolicy):
         self.value = BlockValue(model, tokens_per_block)
         self.ghost_ratio = ghost_ratio
         self.frequency_weight = frequency_weight
+        self.prices_tiers = tier_pricing
+        self.host_link = HostLink(host_link_gbps, prefill_tflops)
+        self._reload: float | None = None  # `value.reload(host_link)`, once bound
+        self._tiers_seen = False  # a block was ever held elsewhere (then `_credits` looks)
         self.inflation = 0.0
         # Classes travel as small int codes (see `credit`), hashed and stored with no
         # tuple made per release; `_classes` names each code's class.
@@ -125,6 +144,7 @@ class CostPolicy(RankedPolicy):
         by_depth = self.value.by_depth
         deepest = len(by_depth)
         weight = self.frequency_weight
+        reload = self.reload_value() if self._tiers_seen else None
         credits: list[float] = []
         for node in nodes:
             serial, hits = node.serial, node.hits
@@ -145,11 +165,34 @@ class CostPolicy(RankedPolicy):
                 probability = cached[code] = self.reuse_probability(code)
             depth = node.depth
             value = by_depth[depth] if depth < deepest else self.value(node)
+            if reload is not None and node.held_elsewhere and value > reload:
+                value = reload
             credits.append((1 + weight * (hits if hits < 3 else 3)) * probability * value)
         return credits
 
     def rank(self, node: CachedNode) -> float:
         return self.inflation + self.credit(node)
+
+    def reload_value(self) -> float:
+        """What a block held elsewhere costs to bring back, in `value`'s units."""
+        if self._reload is None:
+            self._reload = self.value.reload(self.host_link)
+        return self._reload
+
+    def tier_changed(self, node: CachedNode, evictable: bool) -> None:
+        if not self.prices_tiers:
+            return
+        self._tiers_seen = True
+        serial = node.serial
+        entry = self._rank.get(serial)
+        if entry is None or not evictable or not node.held_elsewhere:
+            return
+        rank = self.rank(node)
+        if rank >= entry[0]:
+            return
+        entry = self._rank[serial] = (rank, next(self._releases), serial)
+        if serial in self._nodes:  # a candidate: its old heap entry is stale now
+            heappush(self._heap, entry)
 
     def release_n(self, nodes: Sequence[CachedNode]) -> None:
         if not self._own_rank:  # a subclass ranks differently: one node at a time

@@ -45,8 +45,19 @@ class LearnedPolicy(CostPolicy):
         window: int = 0,
         margin: float = 0.0,
         frequency_weight: float = 1.0,
+        tier_pricing: bool = True,
+        host_link_gbps: float = 25.0,
+        prefill_tflops: float = 400.0,
     ) -> None:
-        super().__init__(model, tokens_per_block, ghost_ratio, frequency_weight)
+        super().__init__(
+            model,
+            tokens_per_block,
+            ghost_ratio,
+            frequency_weight,
+            tier_pricing,
+            host_link_gbps,
+            prefill_tflops,
+        )
         self.shadow_blocks = shadow_blocks
         self.sample_shift = 0  # set by `bind`: sample one key in 2**sample_shift
         self.window = window
@@ -78,6 +89,12 @@ class LearnedPolicy(CostPolicy):
         # release order: never below an earlier LRU-like rank, though the mean moves
         self._lru_rank = max(self._lru_rank, self.inflation + self._mean_credit)
         return self._lru_rank
+
+    def tier_changed(self, node: CachedNode, evictable: bool) -> None:
+        if self.use_learned:  # in release order, a tier changes nothing
+            super().tier_changed(node, evictable)
+        elif self.prices_tiers:
+            self._tiers_seen = True
 
     def insert(self, node: CachedNode) -> None:
         super().insert(node)

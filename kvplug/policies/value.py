@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvplug.core.model_spec import ModelSpec, load_model
+from kvplug.policies.reload import HostLink
 
 if TYPE_CHECKING:
     from kvplug.policies.node import CachedNode
@@ -37,3 +38,9 @@ class BlockValue:
             flops = self.model.prefill_flops(d * t, (d + 1) * t)
             self.by_depth.append(flops / self.model.prefill_flops(0, t))
         return self.by_depth[depth]
+
+    def reload(self, link: HostLink) -> float:
+        """What a block another tier holds costs to bring back over `link`, in the same
+        units (the prefill FLOPs of a block at position 0)."""
+        t = self.tokens_per_block or 1
+        return link.reload_flops(self.model, t) / self.model.prefill_flops(0, t)

@@ -37,7 +37,8 @@ class StateRecord:
     """One node's device state of one component, as a policy sees it (a `CachedNode`)."""
 
     __slots__ = (
-        "serial", "key", "depth", "hits", "from_end", "request_hit", "request_output", "node",
+        "serial", "key", "depth", "hits", "from_end", "request_hit", "request_output",
+        "held_elsewhere", "node",
     )  # fmt: skip
 
     def __init__(self, serial: int, node: Any, key: bytes, depth: int) -> None:
@@ -49,6 +50,7 @@ class StateRecord:
         self.from_end = 0
         self.request_hit = False
         self.request_output = 0
+        self.held_elsewhere = False
 
 
 class RankedLRUList(UnifiedLRUList):

@@ -70,6 +70,7 @@ class NodeRecord:
 
     __slots__ = (
         "serial", "key", "depth", "hits", "from_end", "request_hit", "request_output",
+        "held_elsewhere",
         "parent", "parent_serial", "cached_children", "evictable", "node", "end",
     )  # fmt: skip
 
@@ -83,6 +84,7 @@ class NodeRecord:
         self.from_end = 0
         self.request_hit = False
         self.request_output = 0
+        self.held_elsewhere = False
         self.parent: NodeRecord | None = None
         self.parent_serial = -1
         self.cached_children = 0

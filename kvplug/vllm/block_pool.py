@@ -46,7 +46,7 @@ Invariants (checked by `check_invariants`):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import count
 from typing import Any, ClassVar
@@ -82,6 +82,7 @@ class CachedBlock:
 
     __slots__ = (
         "serial", "key", "depth", "hits", "from_end", "request_hit", "request_output",
+        "held_elsewhere",
         "block", "parent", "parent_serial", "cached_children", "evictable", "anchored",
     )  # fmt: skip
 
@@ -99,6 +100,7 @@ class CachedBlock:
         self.from_end = 0
         self.request_hit = False
         self.request_output = 0
+        self.held_elsewhere = False
         self.parent_serial = -1
         self.cached_children = 0
         self.evictable = False
@@ -323,9 +325,12 @@ class KVPlugBlockPool(BlockPool):
         return evicted
 
     # -- called by PolicyFreeQueue ------------------------------------------------------
-    def on_free_n(self, released: list[tuple[int, KVCacheBlock]]) -> None:
+    def on_free_n(
+        self, released: list[tuple[int, KVCacheBlock]], held_elsewhere: bool = False
+    ) -> None:
         """Blocks (with a hash) lost their last holder, each with its `from_end` (blocks
-        of the releasing request after it): rank them and offer them for eviction."""
+        of the releasing request after it): rank them and offer them for eviction; with
+        `held_elsewhere`, as blocks another tier holds (vLLM's ``evict_first``)."""
         keys, slots, rules = self._keys, self._slots, self.rules
         # a hybrid pool's rules rank some released blocks, and queue some to go first
         release_n = self.eviction.release_n if rules is None else rules.release_n
@@ -343,9 +348,21 @@ class KVPlugBlockPool(BlockPool):
             record.from_end = from_end
             record.request_hit = request_hit
             record.request_output = output_tokens
+            if held_elsewhere and not record.held_elsewhere:
+                self.eviction.held_elsewhere(record)  # not evictable yet: sets the flag
             records.append(record)
         if records:
             release_n(records)
+
+    def mark_held_elsewhere(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Another tier holds a copy of `blocks` (a connector loaded them from there):
+        those cached here are valued as a reload from now on, until their hash goes."""
+        if not self.tracked:
+            return
+        keys, slots, core = self._keys, self._slots, self.eviction
+        for block in blocks:
+            if keys[block.block_id] is not None and keys[block.block_id] == block._block_hash:
+                core.held_elsewhere(slots[block.block_id])
 
     def on_unfree(self, block: KVCacheBlock) -> None:
         """`block` left the queue's cached set without being evicted (a prefix hit)."""

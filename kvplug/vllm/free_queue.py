@@ -9,9 +9,11 @@ out its head. `PolicyFreeQueue` has the same interface, split in two:
   block is left, the queue evicts the eviction core's next victim (its `KVPlugBlockPool`
   names it). With ``lru`` the pool uses vLLM's own queue instead (`ReleaseOrderPool`).
 - cached blocks freed *to evict first* (vLLM's ``free_blocks(..., evict_first=True)``: a
-  lazy offloader gives back blocks another tier now holds) wait in a first-in lane and are
-  evicted before the policy's victims, as vLLM's own queue would; they stay cached (a
-  prefix hit takes them back) and ranked, for when the lane no longer holds them.
+  lazy offloader gives back blocks another tier now holds) are marked ``held_elsewhere``.
+  A policy that prices tiers (`cost`, `learned`) ranks them as a reload and decides
+  alone; for any other they also wait in a first-in lane and are evicted before the
+  policy's victims, as vLLM's own queue would. Either way they stay cached (a prefix hit
+  takes them back).
 
 **The order is the eviction order.** ``iter_blocks_after`` (what vLLM's lazy CPU offload
 and other tiers walk from the head, expecting the blocks the allocator takes next) yields
@@ -97,9 +99,10 @@ class PolicyFreeQueue:
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])
 
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Free `blocks`, the first to be evicted first: cached ones are ranked, others
-        wait behind every fresh block (vLLM uses this for blocks still being read)."""
+    def append_n(self, blocks: Iterable[KVCacheBlock], held_elsewhere: bool = False) -> None:
+        """Free `blocks`, the first to be evicted first: cached ones are ranked (as held by
+        another tier too, if `held_elsewhere`), others wait behind every fresh block (vLLM
+        uses this for blocks still being read)."""
         caching = self.pool.enable_caching
         cached = self._cached
         released: list[tuple[int, KVCacheBlock]] = []  # (from_end, block)
@@ -111,12 +114,14 @@ class PolicyFreeQueue:
             else:
                 self._push_fresh(block, first=False)
         if released:
-            self.pool.on_free_n(released)
+            self.pool.on_free_n(released, held_elsewhere)
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Free blocks to go out first, `blocks[0]` first: those holding nothing reusable
-        before every other free block; cached ones (vLLM's ``evict_first``) into the lane,
-        ranked like any release."""
+        before every other free block. Cached ones (vLLM's ``evict_first``: another tier
+        holds them) are ranked like any release and, unless the policy prices tiers
+        (`EvictionPolicy.prices_tiers`: then its ranking, which values them as a reload,
+        decides alone), also wait in the lane."""
         caching = self.pool.enable_caching
         lane: list[KVCacheBlock] = []
         for block in reversed(blocks):
@@ -126,7 +131,10 @@ class PolicyFreeQueue:
                 self._push_fresh(block, first=True)
         if lane:
             lane.reverse()
-            self.append_n(lane)
+            priced = self.pool.tracked and self.pool.policy.prices_tiers
+            self.append_n(lane, held_elsewhere=True)
+            if priced:
+                return
             for block in lane:
                 serial = next(self._serials)
                 self._first_entry[block.block_id] = serial

@@ -64,6 +64,19 @@ class KVPlugKVCacheManager(KVCacheManager):
             request.kvplug_branch = result[2]
         return result
 
+    def allocate_slots(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        # A connector's external tokens (vLLM's scheduler passes them by keyword) were
+        # loaded from another tier, which keeps its copy: the blocks that hold them,
+        # after the local hit, are held elsewhere.
+        result = super().allocate_slots(request, *args, **kwargs)
+        external = kwargs.get("num_external_computed_tokens", 0)
+        if external and result is not None and self.block_pool.tracked:
+            local = request.num_computed_tokens + kwargs.get("num_new_computed_tokens", 0)
+            size = self.coordinator.single_type_managers[0].block_size
+            blocks = self.coordinator.single_type_managers[0].req_to_blocks[request.request_id]
+            self.block_pool.mark_held_elsewhere(blocks[local // size : (local + external) // size])
+        return result
+
     def free(self, request: Any) -> None:
         pool = self.block_pool
         if not pool.tracked:  # lru: nothing is ranked, so nothing to tell

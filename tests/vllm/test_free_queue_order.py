@@ -6,7 +6,9 @@ evict_first=True)`` returns blocks another tier holds to the eviction end. Here,
 random request sequences under every ranked policy, some cached blocks given back to
 evict first, the walk is compared with what ``get_new_blocks`` then hands out, block for
 block; and a ranked policy whose choice differs from the release order shows the walk is
-the policy's, not vLLM's.
+the policy's, not vLLM's. Blocks given back to evict first go first unless the policy
+prices tiers (`cost`, `learned`): then they are ranked as a reload, and a block another
+tier holds goes before an equally valuable one held nowhere else.
 """
 
 from __future__ import annotations
@@ -28,7 +30,15 @@ from kvplug.replay.arms.base import FRESH_UNIT_BASE  # noqa: E402
 from kvplug.replay.arms.vllm import VLLMStockArm  # noqa: E402
 
 F = FRESH_UNIT_BASE
-RANKED = ["lfu", "gdsf", "cost", "learned"]
+RANKED = ["lfu", "gdsf", "cost", "learned", "cost-unpriced"]
+
+
+def policy_named(name: str):
+    if name == "cost-unpriced":  # vLLM's evict-first lane, as for any policy without tiers
+        return make_policy("cost", {"tier_pricing": False})
+    return make_policy(name)
+
+
 VLLM_EVICT_FIRST = "evict_first" in inspect.signature(BlockPool.free_blocks).parameters
 
 admit_ops = st.tuples(
@@ -75,7 +85,7 @@ def run(arm: VLLMStockArm, prefixes, ops) -> list[int]:
 def test_the_walk_from_the_head_is_the_order_blocks_are_handed_out(
     policy, capacity, prefixes, ops, offloaded
 ):
-    arm = VLLMStockArm(capacity, make_policy(policy))
+    arm = VLLMStockArm(capacity, policy_named(policy))
     pool = arm.manager.block_pool
     run(arm, prefixes, ops)
     queue = pool.free_block_queue
@@ -87,8 +97,11 @@ def test_the_walk_from_the_head_is_the_order_blocks_are_handed_out(
         pool.check_invariants()
     walk = list(queue.iter_blocks_after(None))
     assert len(walk) == pool.get_num_free_blocks() == len({b.block_id for b in walk})
-    first_cached = [b for b in walk if b.block_hash is not None][: len(picked)]
-    assert {b.block_id for b in first_cached} == {b.block_id for b in picked}
+    if pool.policy.prices_tiers:  # ranked as a reload, wherever that puts them
+        assert all(pool._slots[b.block_id].held_elsewhere for b in picked)
+    else:
+        first_cached = [b for b in walk if b.block_hash is not None][: len(picked)]
+        assert {b.block_id for b in first_cached} == {b.block_id for b in picked}
     if walk:
         middle = walk[len(walk) // 2]
         assert list(queue.iter_blocks_after(middle)) == walk[len(walk) // 2 + 1 :]
@@ -123,3 +136,65 @@ def test_the_walk_follows_the_policy_not_the_release_order():
     assert arm.admit(9, [7, 8, 9, 10, F + 9], 4) == 0  # takes the fresh blocks, then evicts
     assert arm.admit(10, [3, F + 10], 1) == 0  # the last released went first
     assert arm.admit(11, [1, F + 11], 1) == 1  # the first released is still there
+
+
+def cached_first_blocks(arm: VLLMStockArm, prompts) -> list:
+    """Admit and finish each one-block prompt in turn; each request's block."""
+    blocks = []
+    for req_id, prompt in prompts:
+        arm.admit(req_id, prompt, 1)
+        blocks.append(arm.manager.block_pool.blocks[arm.manager.get_block_ids(str(req_id))[0][0]])
+        arm.finish(req_id)
+    return blocks
+
+
+def handed_out(pool) -> list[int]:
+    """Every free block's id, in the order the allocator hands them out (fresh first)."""
+    return [x.block_id for x in pool.get_new_blocks(pool.get_num_free_blocks())]
+
+
+def cached_order(pool) -> list[int]:
+    walk = pool.free_block_queue.iter_blocks_after(None)
+    return [x.block_id for x in walk if x.block_hash is not None]
+
+
+@pytest.mark.parametrize("priced", [True, False])
+def test_a_block_another_tier_holds_goes_before_an_equal_one_held_nowhere_else(priced):
+    # two one-block prompts, released in turn; b (released last, so ranked above a) is
+    # given back to evict first. With tier pricing it becomes the victim because its
+    # reload is cheap, with no lane; without, by vLLM's lane (any policy would take it)
+    arm = VLLMStockArm(4, make_policy("cost", {"tier_pricing": priced}))
+    pool = arm.manager.block_pool
+    a, b = cached_first_blocks(arm, [(0, [1, F]), (1, [2, F + 1])])
+    pool.touch([b])
+    free_to_evict_first(pool, [b])
+    assert pool._slots[b.block_id].held_elsewhere
+    assert cached_order(pool) == [b.block_id, a.block_id]
+    lane = pool.free_block_queue._first_entry
+    if priced:
+        assert not lane
+        assert pool.policy.rank_of(pool._slots[b.block_id]) < pool.policy.rank_of(
+            pool._slots[a.block_id]
+        )
+    else:
+        assert b.block_id in lane
+    assert handed_out(pool)[-2:] == [b.block_id, a.block_id]
+
+
+@pytest.mark.parametrize(("gbps", "first"), [(25.0, "hot"), (1e-3, "cold")])
+def test_a_block_held_elsewhere_is_worth_its_reload_not_nothing(gbps, first):
+    # hot: hit three times, then copied out by a tier; cold: never reused, held nowhere
+    # else, same depth. On a fast link hot's reload is cheap and it goes first; on a link
+    # so slow that a reload costs a recompute, hot's reuses keep it and cold goes first
+    policy = make_policy("cost", {"host_link_gbps": gbps})
+    arm = VLLMStockArm(6, policy)
+    pool = arm.manager.block_pool
+    prompts = [(k, [1, F + k]) for k in range(4)] + [(9, [2, F + 9])]
+    blocks = cached_first_blocks(arm, prompts)
+    hot, cold = blocks[0], blocks[-1]
+    assert pool._slots[hot.block_id].hits == 3
+    pool.touch([hot])
+    free_to_evict_first(pool, [hot])
+    expected = [hot.block_id, cold.block_id] if first == "hot" else [cold.block_id, hot.block_id]
+    assert cached_order(pool) == expected
+    assert handed_out(pool)[-2:] == expected
