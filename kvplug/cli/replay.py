@@ -51,6 +51,7 @@ def run_single(
     quiet: bool,
     explain: bool = False,
     policy_config: dict[str, Any] | None = None,
+    host_blocks: int = 0,
 ) -> None:
     """Replay `trace` through `arms` at each capacity; print the report, write the plot."""
     spec = load_model(model)
@@ -64,7 +65,7 @@ def run_single(
     rows = run_replay(
         trace, arms, capacities(trace, capacity_blocks, capacity_fractions), spec,
         sequential=sequential, timing=timings[0], progress=progress_printer(quiet),
-        policy_config=policy_config,
+        policy_config=policy_config, host_blocks=host_blocks,
     )  # fmt: skip
     if fmt == "table":
         click.echo(
@@ -103,6 +104,14 @@ def run_single(
     help="After the table, each learning policy's state (JSON lines; json output has it "
     "in each row).",
 )
+@click.option(
+    "--host-blocks",
+    type=click.IntRange(min=0),
+    default=0,
+    help="A CPU tier of this many blocks beside each vLLM arm, filled as vLLM's lazy CPU "
+    "offload fills it; a reload costs its bytes over the host link (host_link_gbps, "
+    "prefill_tflops in --policy-config). 0: none.",
+)
 @with_replay_options
 def replay(
     trace: str,
@@ -110,6 +119,7 @@ def replay(
     trace_format: str | None,
     plot_path: str | None,
     policy_config: str | None,
+    host_blocks: int,
     **options: Any,
 ) -> None:
     """Replay TRACE through several eviction policies and cache sizes, one cache each.
@@ -122,7 +132,10 @@ def replay(
     check_arm_names(arms)  # before reading a large trace
     config = json_object(policy_config, "--policy-config") if policy_config else None
     check_policy_config(arms, config or {})
-    run_single(load_trace(trace, trace_format), arms, plot_path, policy_config=config, **options)
+    run_single(
+        load_trace(trace, trace_format), arms, plot_path, policy_config=config,
+        host_blocks=host_blocks, **options,
+    )  # fmt: skip
 
 
 @click.command()

@@ -102,6 +102,27 @@ class EvictionCore(Generic[N]):
         self.policy.add_candidates(leaves)
         self.num_evictable += len(nodes)
 
+    def restore_n(self, nodes: Sequence[N]) -> None:
+        """Nodes withdrawn without a use (another tier held them while it copied them out)
+        are evictable again: a ranked policy gives each back the standing of its last
+        release, the tier lowering it (`tier_changed`); any other policy releases it anew."""
+        policy = self.policy
+        if not isinstance(policy, RankedPolicy):
+            self.release_n(nodes)
+            return
+        fresh = [node for node in nodes if not policy.has_rank(node)]
+        if fresh:
+            self.release_n(fresh)
+        for node in nodes:
+            if node.evictable:
+                continue
+            policy.restore(node)
+            node.evictable = True
+            self.num_evictable += 1
+            if node.cached_children == 0:
+                policy.add_candidate(node)
+            policy.tier_changed(node, True)
+
     def release_unranked(self, nodes: Sequence[N]) -> None:
         """Nothing holds `nodes` (blocks without cached children) any more, and their
         adapter evicts them itself, ahead of the policy's choice: evictable, but neither

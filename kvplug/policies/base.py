@@ -238,6 +238,16 @@ class RankedPolicy(EvictionPolicy):
         order, serial); a smaller entry is evicted sooner."""
         return self._rank[node.serial]
 
+    def restore(self, node: CachedNode) -> None:
+        """`node` is released again without a use: it keeps its last rank, under a new
+        release order (so heap entries left from before are stale)."""
+        rank = self._rank[node.serial][0]
+        self._rank[node.serial] = (rank, next(self._releases), node.serial)
+
+    def has_rank(self, node: CachedNode) -> bool:
+        """Whether `node` was ranked at a release since it was cached."""
+        return node.serial in self._rank
+
     def rank_of(self, node: CachedNode) -> float:
         """The rank `node` was given at its latest release (it must have been released)."""
         return self._rank[node.serial][0]

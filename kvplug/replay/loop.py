@@ -109,7 +109,12 @@ class ReplayCounters:
         self.prompt_tokens += job.input_length
         self.hit_tokens += matched * block_tokens
         self.total_flops += job.total_flops
-        self.saved_flops += job.prefix_flops[min(matched, len(job.prefix_flops) - 1)]
+        last = len(job.prefix_flops) - 1
+        self.saved_flops += job.prefix_flops[min(matched, last)]
+        if arm.loaded:  # continued from another tier: saved, less the reloads
+            reached = job.prefix_flops[min(matched + arm.loaded, last)]
+            self.saved_flops += reached - job.prefix_flops[min(matched, last)]
+            self.saved_flops -= arm.loaded * arm.reload_flops
         self.cached_blocks_sum += arm.stats().cached_blocks
         self.cached_block_samples += 1
 

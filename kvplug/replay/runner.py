@@ -26,6 +26,7 @@ from kvplug.policies import (
     make_policy,
     policy_parameters,
 )
+from kvplug.policies.reload import HostLink
 from kvplug.replay.arm_spec import Cache, parse_arm, parse_arms
 from kvplug.replay.arms.base import ArmUnavailable, CacheArm, KVPlugArm
 from kvplug.replay.loop import Job, Timing, make_jobs, replay
@@ -131,15 +132,28 @@ def build_arm(
     sequential: bool,
     block_tokens: int,
     config: Mapping[str, Any] | None = None,
+    host_blocks: int = 0,
+    reload_flops: float = 0.0,
 ) -> CacheArm:
-    """Raises `ArmUnavailable` for a stock arm whose engine is missing."""
+    """Raises `ArmUnavailable` for a stock arm whose engine is missing. With `host_blocks`,
+    the vLLM arms run beside a lazily filled CPU tier of that many blocks, each reload
+    costing `reload_flops` (`kvplug.replay.arms.vllm_offload`); other arms are refused."""
     spec = parse_arm(name)
+    if host_blocks and spec.cache not in (Cache.VLLM_STOCK, Cache.VLLM_KVPLUG):
+        raise ConfigError(
+            f"a CPU tier (--host-blocks) runs beside vLLM arms only (vllm-stock, "
+            f"vllm-kvplug:<policy>), not {name!r}"
+        )
     if spec.cache is Cache.VLLM_STOCK or spec.cache is Cache.VLLM_KVPLUG:
         from kvplug.replay.arms.vllm import VLLMStockArm
+        from kvplug.replay.arms.vllm_offload import VLLMOffloadArm
 
-        if spec.kvplug_policy is None:
-            return VLLMStockArm(capacity)
-        return VLLMStockArm(capacity, policy=arm_policy(spec.kvplug_policy, block_tokens, config))
+        policy = None
+        if spec.kvplug_policy is not None:
+            policy = arm_policy(spec.kvplug_policy, block_tokens, config)
+        if host_blocks:
+            return VLLMOffloadArm(capacity, host_blocks, reload_flops, policy=policy)
+        return VLLMStockArm(capacity, policy=policy)
     if spec.cache is Cache.SGLANG_KVPLUG:
         from kvplug.replay.arms.sglang_kvplug import SGLangKVPlugArm
 
@@ -182,11 +196,20 @@ def run_replay(
     timing: Timing | None = None,
     progress: Callable[[str], None] | None = None,
     policy_config: Mapping[str, Any] | None = None,
+    host_blocks: int = 0,
 ) -> list[ReplayRow]:
     """One row per capacity x arm. `policy_config`: parameters for every arm whose policy
-    takes them (`check_policy_config`)."""
+    takes them (`check_policy_config`). `host_blocks`: a CPU tier beside each (vLLM) arm,
+    its reloads priced by `HostLink` at `policy_config`'s link parameters."""
     check_arm_names(arms)
     check_policy_config(arms, policy_config or {})
+    if host_blocks < 0:
+        raise KVPlugError(f"host_blocks must be >= 0, got {host_blocks}")
+    link = HostLink(
+        (policy_config or {}).get("host_link_gbps", HostLink.gbps),
+        (policy_config or {}).get("prefill_tflops", HostLink.prefill_tflops),
+    )
+    reload_flops = link.reload_flops(model, trace.block_tokens)
     if not capacities or min(capacities) < 1:
         raise KVPlugError(f"capacities must be positive block counts, got {capacities}")
     jobs = make_jobs(trace, model)
@@ -195,7 +218,10 @@ def run_replay(
     for capacity in capacities:
         for name in arms:
             try:
-                arm = build_arm(name, capacity, jobs, sequential, trace.block_tokens, policy_config)
+                arm = build_arm(
+                    name, capacity, jobs, sequential, trace.block_tokens, policy_config,
+                    host_blocks=host_blocks, reload_flops=reload_flops,
+                )  # fmt: skip
             except ArmUnavailable as exc:
                 rows.append(ReplayRow(name, capacity, available=False, note=str(exc)))
                 continue

@@ -127,6 +127,7 @@ class KVPlugBlockPool(BlockPool):
     tracked: ClassVar[bool] = True
     rules: HybridRules | None  # a tracked hybrid pool's cross-group and anchor rules
     counts_handed_out = False  # evictions counted in get_new_blocks (else by the queue)
+    touch_counts_hits = True  # set by kvplug's manager: True only inside allocate_slots
 
     def __init__(self, *args: Any, policy: EvictionPolicy | None = None, **kwargs: Any) -> None:
         """vLLM's arguments, and the policy the pool serves (`pool_class` chose the class
@@ -200,7 +201,12 @@ class KVPlugBlockPool(BlockPool):
 
     # -- vLLM's entry points -------------------------------------------------------------
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """A request reuses `blocks` (prefix hits): count the hit, then take a reference."""
+        """Take a reference to `blocks`; a request reusing them (prefix hits, inside the
+        manager's allocate_slots, or any touch of a pool used without kvplug's manager)
+        counts a hit first. Another tier copying them out only holds them."""
+        if not self.touch_counts_hits:
+            super().touch(blocks)
+            return
         keys, slots, hit, hits = self._keys, self._slots, self.eviction.hit, 0
         for block in blocks:
             key = keys[block.block_id]
@@ -334,6 +340,10 @@ class KVPlugBlockPool(BlockPool):
         keys, slots, rules = self._keys, self._slots, self.rules
         # a hybrid pool's rules rank some released blocks, and queue some to go first
         release_n = self.eviction.release_n if rules is None else rules.release_n
+        if held_elsewhere and rules is None:
+            # a tier's copy held them, not a request: they keep their last release's
+            # standing (and what it knew), lowered to a reload's price
+            release_n = self.eviction.restore_n
         records: list[CachedBlock] = []
         request_hit = self.releasing.request_hit
         output_tokens = self.releasing.output_tokens
@@ -345,11 +355,13 @@ class KVPlugBlockPool(BlockPool):
                     release_n(records)
                     records = []
                 record = self._record(block, None)
-            record.from_end = from_end
-            record.request_hit = request_hit
-            record.request_output = output_tokens
-            if held_elsewhere and not record.held_elsewhere:
-                self.eviction.held_elsewhere(record)  # not evictable yet: sets the flag
+            if held_elsewhere:
+                if not record.held_elsewhere:
+                    self.eviction.held_elsewhere(record)  # not evictable yet: sets the flag
+            else:
+                record.from_end = from_end
+                record.request_hit = request_hit
+                record.request_output = output_tokens
             records.append(record)
         if records:
             release_n(records)
@@ -524,7 +536,8 @@ class ReleaseOrderPool(KVPlugBlockPool):
     tracked: ClassVar[bool] = False
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        self.stats.block_hits += sum(1 for block in blocks if block._block_hash is not None)
+        if self.touch_counts_hits:
+            self.stats.block_hits += sum(1 for b in blocks if b._block_hash is not None)
         BlockPool.touch(self, blocks)
 
     def cache_full_blocks(

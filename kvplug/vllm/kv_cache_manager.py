@@ -68,7 +68,12 @@ class KVPlugKVCacheManager(KVCacheManager):
         # A connector's external tokens (vLLM's scheduler passes them by keyword) were
         # loaded from another tier, which keeps its copy: the blocks that hold them,
         # after the local hit, are held elsewhere.
-        result = super().allocate_slots(request, *args, **kwargs)
+        pool = self.block_pool
+        pool.touch_counts_hits = True  # the touches in here are prefix hits
+        try:
+            result = super().allocate_slots(request, *args, **kwargs)
+        finally:
+            pool.touch_counts_hits = False
         external = kwargs.get("num_external_computed_tokens", 0)
         if external and result is not None and self.block_pool.tracked:
             local = request.num_computed_tokens + kwargs.get("num_new_computed_tokens", 0)
@@ -159,6 +164,9 @@ def attach_policy(
 ) -> PoolStats:
     """Give the manager's pool `policy`; returns the statistics the pool counts into."""
     stats = PoolStats()
+    # a touch outside allocate_slots is another tier holding blocks while it copies them
+    # out (vLLM's offload connector), not a use
+    manager.block_pool.touch_counts_hits = False
     manager.block_pool.use_policy(
         policy,
         stats,

@@ -493,7 +493,10 @@ def test_replay_policy_config_errors_name_what_is_accepted(config, message) -> N
     result = CliRunner().invoke(main, args)
     assert result.exit_code != 0 and message in result.output, result.output
     if "taken by none" in message:
-        assert "accepted: frequency_weight, ghost_ratio, model" in result.output
+        assert (
+            "accepted: frequency_weight, ghost_ratio, host_link_gbps, model, prefill_tflops, tier_pricing"
+            in result.output
+        )
 
 
 def test_replay_cli_errors_are_clear(tmp_path) -> None:

@@ -62,6 +62,10 @@ class CacheArm(ABC):
     """One cache under test, with `capacity_blocks` blocks of one unit each."""
 
     name: str
+    # beside another tier: units of the last admitted request loaded from it (after the
+    # units `admit` returned), and what each reload costs, in prefill FLOPs
+    loaded: int = 0
+    reload_flops: float = 0.0
 
     @abstractmethod
     def admit(self, req_id: int, prompt: list[int], compute: int) -> int | None:
