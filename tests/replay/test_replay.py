@@ -494,8 +494,8 @@ def test_replay_policy_config_errors_name_what_is_accepted(config, message) -> N
     assert result.exit_code != 0 and message in result.output, result.output
     if "taken by none" in message:
         assert (
-            "accepted: frequency_weight, ghost_ratio, host_link_gbps, model, prefill_tflops, tier_pricing"
-            in result.output
+            "accepted: frequency_weight, ghost_ratio, host_link_gbps, model, prefill_tflops, "
+            "tier_pricing" in result.output
         )
 
 
