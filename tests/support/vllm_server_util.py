@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,11 +30,38 @@ MAX_MODEL_LEN = 1024
 KVPLUG_SCHEDULER = "kvplug.vllm.Scheduler"
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(span: int = 1) -> int:
+    """The first of ``span`` consecutive TCP ports nobody listens on right now.
+
+    The ports come from below the kernel's ephemeral range: a port the kernel hands out for
+    ``bind(0)`` (as vLLM does for its own internal sockets) could be handed out again to a
+    server process before the test's server binds it, and a data-parallel server binds
+    ``port + rank`` for its KV-event publishers, a port nobody checked.
+    """
+    low, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(1000):
+        first = rng.randrange(10000, max(10001, low - span))
+        if all(_port_is_free(first + offset) for offset in range(span)):
+            return first
+    raise RuntimeError(f"no {span} consecutive free TCP ports below {low}")
+
+
+def _port_is_free(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True
 
 
 @dataclass

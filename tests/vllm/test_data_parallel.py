@@ -72,7 +72,7 @@ def _total(series: dict[tuple[str, str], float], name: str) -> float:
 def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("dp")
     model = build_tiny_model(root / "tiny")
-    event_port = free_port()
+    event_port = free_port(span=len(RANKS))  # rank r publishes on port + r
     kv_events = (
         f'{{"enable_kv_cache_events": true, "publisher": "zmq", '
         f'"endpoint": "tcp://*:{event_port}", "topic": "{TOPIC}"}}'
