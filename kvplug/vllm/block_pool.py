@@ -330,6 +330,38 @@ class KVPlugBlockPool(BlockPool):
             queue.prepend_n([block])
         return evicted
 
+    def cache_partial_block(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's (0.34+): a partial entry may give `block` its first hash, or replace its
+        hashes; the pool then accounts for its current one."""
+        block: KVCacheBlock = kwargs["block"] if "block" in kwargs else args[1]
+        key = super().cache_partial_block(*args, **kwargs)
+        self._sync_keys((block,))
+        return key
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        """vLLM's (0.34+, copy-on-write): `src_block`'s hashes move to its private copy."""
+        super().move_block_hashes(src_block, dst_block)
+        self._sync_keys((src_block, dst_block))
+
+    def _sync_keys(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """vLLM changed the hashes of `blocks` outside `cache_full_blocks`: account for
+        each block's current hash (a new one as a record with no parent: vLLM names none)
+        and, for a free block, move it to the set of free blocks its hash puts it in."""
+        queue = self.free_block_queue
+        for block in blocks:
+            key = block._block_hash
+            if block.is_null or self._keys[block.block_id] == key:
+                continue
+            free = queue.is_cached(block) or queue.is_fresh(block)
+            if free:
+                queue.remove(block)
+            if key is None:
+                self.forget(block)
+            else:
+                self._record(block, None)
+            if free:
+                queue.append_n([block])
+
     # -- called by PolicyFreeQueue ------------------------------------------------------
     def on_free_n(
         self, released: list[tuple[int, KVCacheBlock]], held_elsewhere: bool = False
@@ -588,6 +620,10 @@ class ReleaseOrderPool(KVPlugBlockPool):
             if self._evicted.pop(block._block_hash, 0) is None:
                 self.stats.churn += 1
         return key
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        """vLLM's: the hashes move from one block to another; the count stays."""
+        BlockPool.move_block_hashes(self, src_block, dst_block)
 
     def reset_prefix_cache(self) -> bool:
         if not BlockPool.reset_prefix_cache(self):

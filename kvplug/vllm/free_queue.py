@@ -18,7 +18,10 @@ out its head. `PolicyFreeQueue` has the same interface, split in two:
 **The order is the eviction order.** ``iter_blocks_after`` (what vLLM's lazy CPU offload
 and other tiers walk from the head, expecting the blocks the allocator takes next) yields
 exactly the order ``popleft`` would hand blocks out in: fresh blocks, the lane, then the
-pool's victims in its policy's order (`KVPlugBlockPool.iter_victims`).
+pool's victims in its policy's order (`KVPlugBlockPool.iter_victims`). So does the
+linked list vLLM's own queue keeps (``fake_free_list_head`` / ``fake_free_list_tail``,
+``next_free_block``): reading either sentinel links the free blocks in that order, as of
+that read.
 
 Invariant: a block is in at most one of the two sets, and ``num_free_blocks`` is their
 total size; every live lane entry is a cached block.
@@ -56,6 +59,7 @@ class PolicyFreeQueue:
         self._first: deque[tuple[KVCacheBlock, int]] = deque()  # evict-first lane, left first
         self._first_entry: dict[int, int] = {}  # block id -> serial of its live lane entry
         self._serials = count()
+        self._sentinels = (KVCacheBlock(block_id=-1), KVCacheBlock(block_id=-1))
         for block in reversed(blocks):
             self._push_fresh(block, first=True)
 
@@ -158,6 +162,17 @@ class PolicyFreeQueue:
     def __iter__(self) -> Iterator[KVCacheBlock]:
         return iter(self.get_all_free_blocks())
 
+    @property
+    def fake_free_list_head(self) -> KVCacheBlock:
+        """vLLM's head sentinel: its ``next_free_block`` chain is the hand-out order."""
+        return self._link()[0]
+
+    @property
+    def fake_free_list_tail(self) -> KVCacheBlock:
+        """vLLM's tail sentinel: its ``prev_free_block`` chain is the hand-out order,
+        reversed."""
+        return self._link()[1]
+
     # -- kvplug's own --------------------------------------------------------------------
     def is_cached(self, block: KVCacheBlock) -> bool:
         return block.block_id in self._cached
@@ -181,6 +196,20 @@ class PolicyFreeQueue:
         first = [block for block, serial in self._first if lane.get(block.block_id) == serial]
         yield from first
         yield from self.pool.iter_victims(first)
+
+    def _link(self) -> tuple[KVCacheBlock, KVCacheBlock]:
+        """Link the free blocks, in the order they will be handed out, between two
+        sentinels (vLLM's doubly linked list; the queue itself never reads the links)."""
+        head, tail = self._sentinels
+        previous = head
+        for block in self._eviction_order():
+            previous.next_free_block = block
+            block.prev_free_block = previous
+            previous = block
+        previous.next_free_block = tail
+        tail.prev_free_block = previous
+        head.prev_free_block = tail.next_free_block = None
+        return head, tail
 
     def make_all_fresh(self) -> None:
         """Move every cached block to the fresh stack (their hashes are gone)."""

@@ -5,7 +5,7 @@ expecting the blocks the allocator takes next; vLLM 0.34's ``free_blocks(...,
 evict_first=True)`` returns blocks another tier holds to the eviction end. Here, after
 random request sequences under every ranked policy, some cached blocks given back to
 evict first, the walk is compared with what ``get_new_blocks`` then hands out, block for
-block; and a ranked policy whose choice differs from the release order shows the walk is
+block (and with vLLM's linked list, ``fake_free_list_head``); and a ranked policy whose choice differs from the release order shows the walk is
 the policy's, not vLLM's. Blocks given back to evict first go first unless the policy
 prices tiers (`cost`, `learned`): then they are ranked as a reload, and a block another
 tier holds goes before an equally valuable one held nowhere else.
@@ -60,6 +60,21 @@ def free_to_evict_first(pool, blocks) -> None:
     pool.free_block_queue.prepend_n([b for b in blocks if b.ref_cnt == 0])
 
 
+def linked(queue) -> list:
+    """The free blocks as vLLM's linked list holds them, head to tail (and checked tail to
+    head), as vLLM's own tests walk it."""
+    forward, block = [], queue.fake_free_list_head.next_free_block
+    while block is not queue.fake_free_list_tail:
+        forward.append(block)
+        block = block.next_free_block
+    backward, block = [], queue.fake_free_list_tail.prev_free_block
+    while block is not queue.fake_free_list_head:
+        backward.append(block)
+        block = block.prev_free_block
+    assert backward[::-1] == forward
+    return forward
+
+
 def run(arm: VLLMStockArm, prefixes, ops) -> list[int]:
     fresh = count(F)
     running: list[int] = []
@@ -106,6 +121,7 @@ def test_the_walk_from_the_head_is_the_order_blocks_are_handed_out(
         middle = walk[len(walk) // 2]
         assert list(queue.iter_blocks_after(middle)) == walk[len(walk) // 2 + 1 :]
     assert queue.get_all_free_blocks() == walk
+    assert linked(queue) == walk
     taken = pool.get_new_blocks(len(walk))
     assert [b.block_id for b in taken] == [b.block_id for b in walk]
     pool.check_invariants()
