@@ -5,10 +5,11 @@ expecting the blocks the allocator takes next; vLLM 0.34's ``free_blocks(...,
 evict_first=True)`` returns blocks another tier holds to the eviction end. Here, after
 random request sequences under every ranked policy, some cached blocks given back to
 evict first, the walk is compared with what ``get_new_blocks`` then hands out, block for
-block (and with vLLM's linked list, ``fake_free_list_head``); and a ranked policy whose choice differs from the release order shows the walk is
-the policy's, not vLLM's. Blocks given back to evict first go first unless the policy
-prices tiers (`cost`, `learned`): then they are ranked as a reload, and a block another
-tier holds goes before an equally valuable one held nowhere else.
+block (and with vLLM's linked list, ``fake_free_list_head``); and a ranked policy whose
+choice differs from the release order shows the walk is the policy's, not vLLM's. Blocks
+given back to evict first go first unless the policy prices tiers (`cost`, `learned`):
+then they are ranked as a reload, and a block another tier holds goes before an equally
+valuable one held nowhere else.
 """
 
 from __future__ import annotations
