@@ -20,9 +20,14 @@ The policy is ``--radix-eviction-policy kvplug-<name>``, or kvplug's configured 
 explicitly is refused: it would not be kvplug's. The log says once
 ``kvplug is active: policy=...``.
 
+With ``--enable-hierarchical-cache`` (SGLang's HiCache) kvplug ranks both tiers: a
+device node the host holds is priced as a reload and demoted first, and the host pool
+evicts by the same policy (`kvplug.sglang.tree_core`, "Tiers").
+
 Start-up checks, each a clear error before the scheduler serves: the SGLang version,
 the private SGLang names kvplug reaches, kvplug's config, and options kvplug does not
-serve (hierarchical cache, session radix cache, LMCache, pure sliding-window models).
+serve (the session radix cache, LMCache, pure sliding-window models, and, of HiCache,
+a storage backend (its third tier) and sliding-window or Mamba models).
 """
 
 from __future__ import annotations
@@ -175,7 +180,15 @@ def refuse_unserved(ctx: Any) -> None:
 
     unserved = []
     if ctx.enable_hierarchical_cache:
-        unserved.append("--enable-hierarchical-cache")
+        if ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
+            # their host copies of sliding-window and Mamba state are ranked by SGLang's
+            # own LRU lists, which kvplug does not rank
+            unserved.append("--enable-hierarchical-cache with a sliding-window or Mamba model")
+        if getattr(ctx.server_args, "hicache_storage_backend", None):
+            unserved.append(
+                f"--hicache-storage-backend {ctx.server_args.hicache_storage_backend} (HiCache's "
+                "third tier; the device and host tiers alone are served)"
+            )
     if ctx.params.enable_session_radix_cache:
         unserved.append("--enable-session-radix-cache")
     if getattr(get_memory(), "enable_lmcache", False):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
+from sglang.srt.mem_cache.unified_cache.components.base import CacheTransferPhase, EvictLayer
 from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.mem_cache.unified_cache.components.swa import SWAComponent
@@ -82,13 +82,45 @@ class KVPlugFullComponent(FullComponent):
         cache_actions: Any,
         target: EvictLayer = EvictLayer.DEVICE,
     ) -> tuple[int, int]:
-        if EvictLayer.DEVICE in target and node.component_data[FULL].value is not None:
-            self.tree_core.forget(node)
+        data = node.component_data[FULL]
+        if EvictLayer.DEVICE in target and data.value is not None:
+            keep_host = EvictLayer.HOST not in target and data.host_value is not None
+            self.tree_core.forget(node, keep_host=keep_host)
+        elif EvictLayer.HOST in target and data.host_value is not None:
+            self.tree_core.forget_host(node)
         return super().evict_component(node, device_frees, host_frees, cache_actions, target)
+
+    def commit_hicache_transfer(
+        self, node: Any, phase: Any, transfers: Any = (), **kwargs: Any
+    ) -> None:
+        super().commit_hicache_transfer(node, phase, transfers, **kwargs)
+        tree = self.tree_core
+        if phase == CacheTransferPhase.BACKUP_HOST:
+            tree._sync_held(node)  # the host holds it now: a reload, not a recompute
+        elif phase == CacheTransferPhase.LOAD_BACK and transfers:
+            for node_id in transfers[0].nodes_to_load or ():  # root first
+                loaded = tree.node_by_id(node_id)
+                if loaded.component_data[FULL].value is not None:
+                    tree.gain_device(loaded)
+
+    def drive_host_eviction(
+        self, num_tokens: int, tracker: Any, device_frees: Any, host_frees: Any, cache_actions: Any
+    ) -> None:
+        """Free host KV for `num_tokens` tokens, evicting the host leaves kvplug's policy
+        ranks lowest (SGLang's walk, with the victim named by kvplug)."""
+        tree = self.tree_core
+        while tracker[self.component_type] < num_tokens:
+            victim = tree.next_host_victim()
+            if victim is None:
+                return
+            tree._evict_host_leaf(
+                victim, tracker, device_frees, host_frees, cache_actions=cache_actions
+            )
 
     # -- the device-eviction walk ---------------------------------------------------------
     def _evict_device_start(self, request_cnt: int) -> None:
         self._evict_device_request_cnt = request_cnt
+        self._evict_device_named: set[int] = set()
 
     def _evict_device_next_node(
         self, tracker: Any, device_frees: Any, host_frees: Any, cache_actions: Any
@@ -96,15 +128,25 @@ class KVPlugFullComponent(FullComponent):
         if tracker[self.component_type] >= self._evict_device_request_cnt:
             return None
         victim = self.tree_core.next_victim()
+        named = self._evict_device_named
+        if victim is not None and victim.id in named:
+            # a leaf named before in this walk stayed (its write-back found no host
+            # room): as in SGLang's walk, the next one in the policy's order is named
+            victim = next(
+                (r.node for r in self.tree_core.eviction.iter_victims() if r.node.id not in named),
+                None,
+            )
         if victim is None:
             return None
         assert victim in self.tree_core.evictable_device_leaves, (
             f"kvplug named node {victim.id}, which SGLang cannot evict"
         )
+        named.add(victim.id)
         return victim.id
 
     def _evict_device_end(self) -> None:
         self._evict_device_request_cnt = 0
+        self._evict_device_named = set()
 
 
 class RankedWalkMixin:

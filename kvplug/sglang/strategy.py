@@ -10,9 +10,9 @@ wins over a ``policy`` key, which may only repeat it.
 
 A `KVPlugStrategy` does not rank SGLang nodes itself: the kvplug tree core
 (`kvplug.sglang.tree_core`) asks it once for a fresh policy (`new_policy`) and keeps the
-candidates in kvplug's eviction core. Its `get_priority` (SGLang's recency) answers only
-SGLang code paths that sort nodes by priority themselves; the kvplug backend refuses the
-options that reach them (hierarchical and session caches).
+candidates in kvplug's eviction core (the host tier's too). Its `get_priority` (SGLang's
+recency) answers only SGLang code paths that sort nodes by priority themselves; the
+kvplug backend refuses the option that reaches them (the session radix cache).
 """
 
 from __future__ import annotations

@@ -22,7 +22,9 @@ Invariants (`check_invariants` audits them):
 - every non-root node with full-attention device KV has exactly one record, and no other
   node has one; a record is evictable exactly while its node's full lock count is 0;
 - the policy's candidates are exactly SGLang's ``evictable_device_leaves``, so the
-  victim kvplug names is always one SGLang may evict.
+  victim kvplug names is always one SGLang may evict;
+- a record is `held_elsewhere` exactly while its node's full-attention KV has a host
+  copy; the `host` members are exactly the host-only nodes (host KV, no device KV).
 
 Recency. SGLang's own ``lru`` orders leaves by ``last_access_time``, which node creation,
 its match and insert walks (parents older than children) and a split (the lower part)
@@ -34,6 +36,29 @@ insertions keeps the older place SGLang gives it: ``kvplug-lru`` evicts exactly 
 SGLang's ``lru`` (tested operation for operation). Other policies ignore touches and see
 each release, the moment SGLang considers the node used or let go.
 A node's ``depth`` is the page index of its last page (a split does not change it).
+
+Tiers (``--enable-hierarchical-cache``). SGLang's HiCache copies device KV to a host pool
+(write-through on hits, or write-back at eviction) and *demotes* a device leaf whose KV
+the host holds: its device KV is freed, the node stays in the tree, host-only, and a
+later hit loads it back. kvplug follows every tier change:
+
+- a device node's KV is backed up to the host: its record is `held_elsewhere`
+  (`_update_duplicate_tracking`, the full component's backup commit);
+- a device node's host copy is freed: not `held_elsewhere` any more
+  (`_release_full_host_duplicate`);
+- a node is demoted (device KV freed, host copy kept): its record leaves and a `host`
+  member joins (`forget`);
+- a host-only node's KV is loaded back, or re-inserted: a record joins, held if the node
+  is locked, and the member leaves (`gain_device`);
+- a host leaf is evicted: its member leaves (`forget_host`).
+
+So a device node the host holds is priced by the policy as a reload (`cost` values it
+at ``min(recompute, reload)``, `kvplug.policies.reload`) and demoted before an equally
+valuable node held nowhere else. The host tier is ranked by its own instance of the
+same policy (bound to the host pool's size): `host` is a `RankedSet` of the host-only
+nodes, carrying each node's hits over from its device record, and the full component's
+host eviction takes its victims from it, the lowest-ranked of SGLang's
+``evictable_host_leaves`` first.
 
 Sliding-window and Mamba state. `reset` replaces SGLang's LRU lists of those components
 with `RankedLRUList`s (`kvplug.sglang.ranked_lru`), each keeping a kvplug `RankedSet`
@@ -56,7 +81,7 @@ from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.core.keys import encode_fields
 from kvplug.core.ranked_set import RankedSet
 from kvplug.errors import ConfigError
-from kvplug.sglang.ranked_lru import RankedLRUList
+from kvplug.sglang.ranked_lru import RankedLRUList, StateRecord
 from kvplug.sglang.stats import CacheStats
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
@@ -123,6 +148,8 @@ class KVPlugTreeCoreMixin:
             )
         self.eviction = EvictionCore(strategy.new_policy(self.page_size, self.num_pages))
         self.records = {}
+        self.host: RankedSet[StateRecord] | None = None  # built at the first demotion
+        self.host_records: dict[int, StateRecord] = {}  # node id -> host-only member
         self._serials = count()
         for ct in RANKED_COMPONENTS:
             if ct not in self.lru_lists:
@@ -156,14 +183,22 @@ class KVPlugTreeCoreMixin:
 
     def _split_node(self, key: Any, child: Any, split_len: int) -> Any:
         result = super()._split_node(key, child, split_len)  # type: ignore[misc]
-        lower = self.records.get(child.id)
-        if lower is None:  # a node without device KV (host only): nothing is ranked
-            return result
         upper_node = result[0]
+        lower = self.records.get(child.id)
+        if lower is None:  # a node without device KV: host-only, or nothing ranked
+            lower_host = self.host_records.get(child.id)
+            if lower_host is not None and self.host is not None:
+                key, depth = self.describe(upper_node)
+                upper_host = StateRecord(next(self._serials), upper_node, key, depth)
+                upper_host.hits = lower_host.hits
+                self.host_records[upper_node.id] = upper_host
+                self.host.add_before(upper_host, lower_host, None)
+            return result
         parent = live_parent(lower)
         upper = self._new_record(upper_node, parent, lower.end - len(child.key))  # type: ignore[arg-type]
         self.eviction.touch(upper)  # stamped at its creation, before the lower part
         self.eviction.split(upper, lower)
+        self._sync_held(upper_node)
         self._accessed(lower)  # SGLang stamps the lower part as accessed now
         return result
 
@@ -172,6 +207,8 @@ class KVPlugTreeCoreMixin:
         record = self.records.get(node.id)
         if record is not None:
             self._accessed(record)
+        elif self.host is not None and node.id in self.host_records:
+            self.host.touch(self.host_records[node.id])
 
     def _match_post_processor(
         self, params: Any, value: Any, best_match_node: Any, *args: Any, **kwargs: Any
@@ -181,13 +218,19 @@ class KVPlugTreeCoreMixin:
         )
         records, root, touched = self.records, self.root_node, []
         node = best_match_node
+        host_members = self.host_records
         while node is not None and node is not root:
             record = records.get(node.id)
             if record is not None:
                 touched.append(record)
+            elif node.id in host_members:
+                touched.append(host_members[node.id])
             node = node.parent
         for record in reversed(touched):  # root first: SGLang stamps parents older
-            self._accessed(record)
+            if isinstance(record, NodeRecord):
+                self._accessed(record)
+            elif self.host is not None:
+                self.host.touch(record)
         return result
 
     def _accessed(self, record: NodeRecord) -> None:
@@ -204,6 +247,8 @@ class KVPlugTreeCoreMixin:
         if record is not None:
             self.eviction.hit(record)
             self.stats.block_hits += 1
+        elif self.host is not None and node.id in self.host_records:
+            self.host.hit(self.host_records[node.id])
         for ct in RANKED_COMPONENTS:
             lru = self.lru_lists.get(ct)  # type: ignore[attr-defined]
             if isinstance(lru, RankedLRUList):
@@ -211,13 +256,104 @@ class KVPlugTreeCoreMixin:
         return super()._inc_hit_count_and_check(node)  # type: ignore[misc]
 
     # -- called by the components ---------------------------------------------------------
-    def forget(self, node: Any) -> None:
-        """`node`'s full-attention device KV is being freed: its record leaves."""
+    def forget(self, node: Any, keep_host: bool = False) -> None:
+        """`node`'s full-attention device KV is being freed: its record leaves. With
+        `keep_host` its host copy stays (a demotion): the node joins the host tier."""
         record = self.records.pop(node.id, None)
         if record is not None:
             self.eviction.remove(record)
             self.stats.evictions += 1
             record.serial = -1  # records naming it as parent see a dead link
+            if keep_host:
+                member = StateRecord(next(self._serials), node, record.key, record.depth)
+                member.hits = record.hits
+                self.host_records[node.id] = member
+                self._host_tier().add(member)
+
+    def forget_host(self, node: Any) -> None:
+        """`node`'s full-attention host KV is being freed: a host-only member leaves."""
+        member = self.host_records.pop(node.id, None)
+        if member is not None and self.host is not None:
+            self.host.remove(member)
+
+    def gain_device(self, node: Any) -> None:
+        """`node` holds full-attention device KV again (loaded back from the host, or
+        re-inserted over its host copy): a record joins below its parent's, counted as
+        accessed now, held if the node is locked; its host member leaves."""
+        if node is self.root_node or node.id in self.records:
+            return
+        parent = self.records.get(node.parent.id)
+        end = (parent.end if parent is not None else 0) + len(node.key)
+        record = self._new_record(node, parent, end)
+        member = self.host_records.pop(node.id, None)
+        if member is not None and self.host is not None:
+            record.hits = member.hits
+            self.host.remove(member)
+        self.eviction.insert(record, parent)
+        self.eviction.touch(record)
+        self._sync_held(node)
+        if node.component_data[FULL].lock_ref == 0:
+            self.eviction.release(record)
+
+    def _sync_held(self, node: Any) -> None:
+        """The record of `node` is `held_elsewhere` exactly while the host holds its KV."""
+        record = self.records.get(node.id)
+        if record is not None:
+            held = node.component_data[FULL].host_value is not None
+            self.eviction.held_elsewhere(record, held)
+
+    def next_host_victim(self) -> Any:
+        """The host-only node kvplug's policy evicts from the host next (one of SGLang's
+        ``evictable_host_leaves``), or None."""
+        if self.host is None:
+            return None
+        leaves = self.evictable_host_leaves  # type: ignore[attr-defined]
+        member = self.host.first(lambda member: member.node in leaves)
+        if member is None:
+            return None
+        self.host.policy.chosen = member.serial  # a victim: `cost`'s inflation rises to it
+        return member.node
+
+    def _host_tier(self) -> RankedSet[StateRecord]:
+        if self.host is None:
+            controller = getattr(self.components_by_type[FULL].cache, "cache_controller", None)  # type: ignore[attr-defined]
+            host_pool = getattr(controller, "mem_pool_host", None)
+            pages = getattr(host_pool, "size", 0) // self.page_size or self.num_pages
+            self.host = RankedSet(self.eviction_strategy.new_policy(self.page_size, pages))
+        return self.host
+
+    # -- SGLang's tier changes --------------------------------------------------------------
+    def _unevict_node_on_insert(self, node: Any, *args: Any, **kwargs: Any) -> None:
+        super()._unevict_node_on_insert(node, *args, **kwargs)  # type: ignore[misc]
+        self.gain_device(node)
+
+    def _update_duplicate_tracking(self, node: Any) -> None:
+        super()._update_duplicate_tracking(node)  # type: ignore[misc]
+        self._sync_held(node)
+
+    def _release_full_host_duplicate(self, node: Any, *args: Any, **kwargs: Any) -> None:
+        super()._release_full_host_duplicate(node, *args, **kwargs)  # type: ignore[misc]
+        self._sync_held(node)
+
+    def insert_host(self, node_id: Any, *args: Any, **kwargs: Any) -> Any:
+        result = super().insert_host(node_id, *args, **kwargs)  # type: ignore[misc]
+        node_id = getattr(result, "inserted_host_node", None)
+        node = None if node_id is None else self.node_by_id(node_id)  # type: ignore[attr-defined]
+        path = []
+        while node is not None and node is not self.root_node:
+            path.append(node)
+            node = node.parent
+        for node in reversed(path):  # a host path refilled from storage: root first
+            data = node.component_data[FULL]
+            if data.value is None and data.host_value is not None:
+                if node.id not in self.host_records:
+                    key, depth = self.describe(node)
+                    member = StateRecord(next(self._serials), node, key, depth)
+                    self.host_records[node.id] = member
+                    self._host_tier().add(member)
+            else:
+                self._sync_held(node)
+        return result
 
     def next_victim(self) -> Any:
         """The node kvplug's policy evicts next, or None."""
@@ -232,7 +368,7 @@ class KVPlugTreeCoreMixin:
         return record
 
     @staticmethod
-    def _prefix_key(node: Any, parent: NodeRecord | None) -> bytes:
+    def _prefix_key(node: Any, parent: NodeRecord | StateRecord | None) -> bytes:
         """The digest of the node's tokens after its parent's key (the policies' `key`)."""
         radix_key = node.key
         tokens = radix_key.token_ids[: len(radix_key)].tobytes()
@@ -244,12 +380,16 @@ class KVPlugTreeCoreMixin:
         """(prefix key, depth) of a node, for the ranked components' records: those of
         its full-attention record if it has one yet, else derived from its parent's (a
         node split off a moment ago)."""
-        record = self.records.get(node.id)
+        record = self.records.get(node.id) or self.host_records.get(node.id)
         if record is not None:
             return record.key, record.depth
-        parent = self.records.get(node.parent.id) if node.parent is not None else None
-        end = (parent.end if parent is not None else 0) + len(node.key)
-        depth = max((end + self.page_size - 1) // self.page_size - 1, 0)
+        parent: Any = None
+        if node.parent is not None:
+            parent = self.records.get(node.parent.id) or self.host_records.get(node.parent.id)
+        start = 0 if parent is None else (parent.depth + 1) * self.page_size
+        if isinstance(parent, NodeRecord):
+            start = parent.end
+        depth = max((start + len(node.key) + self.page_size - 1) // self.page_size - 1, 0)
         return self._prefix_key(node, parent), depth
 
     def check_invariants(self) -> None:
@@ -279,6 +419,20 @@ class KVPlugTreeCoreMixin:
         leaves = {node.id for node in self.evictable_device_leaves}  # type: ignore[attr-defined]
         assert candidates == leaves, f"candidates {candidates} != SGLang's leaves {leaves}"
         assert len(self.eviction) == len(candidates)
+        for record in self.records.values():
+            held = record.node.component_data[FULL].host_value is not None
+            assert record.held_elsewhere == held, f"node {record.node.id}: held_elsewhere"
+        host_only = {
+            node.id
+            for node in nodes
+            if node is not self.root_node
+            and node.component_data[FULL].value is None
+            and node.component_data[FULL].host_value is not None
+        }
+        assert set(self.host_records) == host_only, f"host members != {host_only}"
+        if self.host is not None:
+            self.host.check()
+            assert {member.node.id for member in self.host} == host_only
         for ct in RANKED_COMPONENTS:
             lru = self.lru_lists.get(ct)  # type: ignore[attr-defined]
             if isinstance(lru, RankedLRUList):

@@ -72,6 +72,7 @@ def make_ctx(policy: str = "lru", config: dict | None = None, **flags: Any) -> A
         enable_metrics=flags.pop("enable_metrics", False),
     )
     server_args = ServerArgs(model_path="dummy", device="cpu")
+    server_args.hicache_storage_backend = flags.pop("hicache_storage_backend", None)
     server_args._radix_eviction_policy_explicitly_set = flags.pop("explicit", policy != "lru")
     return TreeCacheBuildContext(
         server_args=server_args,
@@ -242,7 +243,14 @@ def test_missing_private_name_is_named() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
+        (
+            {"enable_hierarchical_cache": True, "is_hybrid_swa": True, "full_tokens_per_layer": 8},
+            "--enable-hierarchical-cache with a sliding-window or Mamba model",
+        ),
+        (
+            {"enable_hierarchical_cache": True, "hicache_storage_backend": "file"},
+            "--hicache-storage-backend file",
+        ),
         ({"is_hybrid_swa": True, "full_tokens_per_layer": 0}, "sliding-window layers only"),
     ],
 )
