@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from heapq import heapify, heappop, heappush
 from itertools import count
+from math import floor
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
@@ -135,9 +136,10 @@ class RankedPolicy(EvictionPolicy):
     """
 
     def __init__(self) -> None:
-        # serial -> its entry at its last release: (rank, release order, serial)
-        self._rank: dict[int, tuple[float, int, int]] = {}
-        self._heap: list[tuple[float, int, int]] = []  # (rank, release order, serial)
+        # serial -> its entry at its last release: (rank, release order, serial); a
+        # restored entry's order is fractional (`restore`)
+        self._rank: dict[int, tuple[float, float, int]] = {}
+        self._heap: list[tuple[float, float, int]] = []  # (rank, release order, serial)
         self._nodes: dict[int, CachedNode] = {}  # serial -> node, for current candidates
         self._releases = count()
         self.chosen = -1  # serial of the last victim `first_candidate` named
@@ -209,7 +211,7 @@ class RankedPolicy(EvictionPolicy):
         current = sorted(self._rank[serial] for serial in self._nodes)
         return [self._nodes[serial] for *_, serial in current[:n]]
 
-    def iter_ranked(self) -> Iterator[tuple[tuple[float, int, int], CachedNode]]:
+    def iter_ranked(self) -> Iterator[tuple[tuple[float, float, int], CachedNode]]:
         """The current candidates with their entries, lowest (evicted first) first, without
         changing anything: the heap read in order through a frontier of its positions,
         O(log n) per candidate and nothing copied. The caller changes nothing meanwhile."""
@@ -233,16 +235,20 @@ class RankedPolicy(EvictionPolicy):
         first = self.first_candidate()
         return None if first is None else self.rank_of(first)
 
-    def entry_of(self, node: CachedNode) -> tuple[float, int, int]:
+    def entry_of(self, node: CachedNode) -> tuple[float, float, int]:
         """`node`'s place in the eviction order at its latest release: (rank, release
         order, serial); a smaller entry is evicted sooner."""
         return self._rank[node.serial]
 
     def restore(self, node: CachedNode) -> None:
-        """`node` is released again without a use: it keeps its last rank, under a new
-        release order (so heap entries left from before are stale)."""
-        rank = self._rank[node.serial][0]
-        self._rank[node.serial] = (rank, next(self._releases), node.serial)
+        """`node` is released again without a use: it keeps its last rank and its place
+        among the nodes of that rank. Its entry gets a new release order halfway between
+        the old one and the next whole one (orders given by releases are whole), which
+        sorts the same against every other entry and makes heap entries left from before
+        stale."""
+        rank, order, serial = self._rank[node.serial]
+        whole = floor(order)
+        self._rank[serial] = (rank, whole + (order - whole + 1) / 2, serial)
 
     def has_rank(self, node: CachedNode) -> bool:
         """Whether `node` was ranked at a release since it was cached."""

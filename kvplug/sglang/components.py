@@ -11,7 +11,13 @@ state SGLang 0.5.23 evicts, so one kvplug policy decides for all of them.
   building a heap of every leaf per eviction call;
 - its lock walks report the nodes whose lock count leaves or reaches 0 (`reclaim`,
   `release`), the latter root first;
-- freeing a node's device KV drops its record.
+- freeing a node's device KV drops its record, unless the host tier keeps a copy
+  (SGLang's HiCache): then the node is *demoted* and joins the tree core's host ranking
+  with its hits; a load-back (`commit_hicache_transfer`) returns it to the device
+  ranking, and a host write-back marks it held elsewhere, priced as a reload;
+- with HiCache its host-eviction walk (`drive_host_eviction`) takes each victim from the
+  tree core's host ranking (`KVPlugTreeCore.next_host_victim`) among SGLang's own
+  evictable host leaves, and SGLang's code frees the host pages.
 
 `KVPlugSWAComponent` and `KVPlugMambaComponent` are SGLang's sliding-window and Mamba
 components whose device-eviction walk takes each victim from the component's kvplug

@@ -12,12 +12,16 @@ A `KVPlugStrategy` does not rank SGLang nodes itself: the kvplug tree core
 (`kvplug.sglang.tree_core`) asks it once for a fresh policy (`new_policy`) and keeps the
 candidates in kvplug's eviction core (the host tier's too). Its `get_priority` (SGLang's
 recency) answers only SGLang code paths that sort nodes by priority themselves; the
-kvplug backend refuses the option that reaches them (the session radix cache).
+kvplug backend refuses the option that reaches them (the session radix cache). A
+``kvplug-<name>`` policy without ``--radix-cache-backend kvplug`` is refused when SGLang
+builds its own tree core (`strategy_factory`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
@@ -30,6 +34,7 @@ from kvplug.policies.base import EvictionPolicy
 
 PREFIX = "kvplug-"
 CONFIG_FLAG = "--radix-eviction-policy-config"
+_BUILDING: ContextVar[bool] = ContextVar("kvplug_tree_core_building", default=False)
 
 
 def policy_choices() -> list[str]:
@@ -104,10 +109,29 @@ class KVPlugStrategy(EvictionStrategy):
         return float(node.last_access_time)
 
 
+@contextmanager
+def kvplug_tree_core_building() -> Iterator[None]:
+    """Marks the construction of a kvplug tree core: only inside it is a ``kvplug-<name>``
+    strategy built (`strategy_factory`)."""
+    token = _BUILDING.set(True)
+    try:
+        yield
+    finally:
+        _BUILDING.reset(token)
+
+
 def strategy_factory(policy: str) -> Any:
-    """The factory SGLang calls for ``kvplug-<policy>``."""
+    """The factory SGLang calls for ``kvplug-<policy>``. Only kvplug's tree core ranks with
+    it; SGLang's own tree cores would rank it as recency (the Python core) or die on the
+    name (the Rust core), so outside a kvplug tree core it is refused, naming the flag."""
 
     def factory(**config_keys: Any) -> KVPlugStrategy:
+        if not _BUILDING.get():
+            raise ConfigError(
+                f"--radix-eviction-policy {PREFIX}{policy} is kvplug's policy, served only "
+                "by kvplug's radix cache: add --radix-cache-backend kvplug (SGLang's own "
+                "tree cores cannot rank with it)"
+            )
         return KVPlugStrategy(policy, **config_keys)
 
     factory.__name__ = f"kvplug_{policy}_strategy"

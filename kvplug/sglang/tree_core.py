@@ -83,6 +83,7 @@ from kvplug.core.ranked_set import RankedSet
 from kvplug.errors import ConfigError
 from kvplug.sglang.ranked_lru import RankedLRUList, StateRecord
 from kvplug.sglang.stats import CacheStats
+from kvplug.sglang.strategy import kvplug_tree_core_building
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
 RANKED_COMPONENTS = (SWA, MAMBA)  # components whose state kvplug ranks in a `RankedSet`
@@ -136,7 +137,8 @@ class KVPlugTreeCoreMixin:
             MAMBA: max(getattr(mamba_pool, "size", 0), 1),
         }
         self.stats = CacheStats()  # kept across `reset`: counters since start-up
-        super().__init__(params, components)  # type: ignore[call-arg]
+        with kvplug_tree_core_building():  # SGLang's constructor builds the strategy
+            super().__init__(params, components)  # type: ignore[call-arg]
 
     def reset(self) -> None:
         super().reset()  # type: ignore[misc]

@@ -139,6 +139,8 @@ class KVPlugBlockPool(BlockPool):
         self._slots: list[CachedBlock] = []  # by block id
         self._keys: list[Any] = []  # by block id
         self._num_keys = 0  # blocks whose _keys entry is set
+        # free cached blocks another tier took (touched outside allocate_slots) to copy
+        self._tier_copies: set[int] = set()
         self._serials = count()
         self.releasing = Release()
         self._evicted: OrderedDict[Any, None] = OrderedDict()  # recent victims' hashes
@@ -203,16 +205,24 @@ class KVPlugBlockPool(BlockPool):
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Take a reference to `blocks`; a request reusing them (prefix hits, inside the
         manager's allocate_slots, or any touch of a pool used without kvplug's manager)
-        counts a hit first. Another tier copying them out only holds them."""
+        counts a hit first. Another tier copying them out only holds them: a free cached
+        block it takes keeps its standing when the tier frees it (`on_free_n`)."""
         if not self.touch_counts_hits:
+            keys, copies = self._keys, self._tier_copies
+            for block in blocks:
+                if block.ref_cnt == 0 and keys[block.block_id] is not None:
+                    copies.add(block.block_id)
             super().touch(blocks)
             return
         keys, slots, hit, hits = self._keys, self._slots, self.eviction.hit, 0
+        copies = self._tier_copies
         for block in blocks:
             key = keys[block.block_id]
             if key is not None and key == block._block_hash:
                 hits += 1
                 hit(slots[block.block_id])
+                if copies:
+                    copies.discard(block.block_id)  # a use: ranked anew when released
         self.stats.block_hits += hits
         if self.rules is not None:
             self.rules.on_touch(blocks)
@@ -370,6 +380,15 @@ class KVPlugBlockPool(BlockPool):
         of the releasing request after it): rank them and offer them for eviction; with
         `held_elsewhere`, as blocks another tier holds (vLLM's ``evict_first``)."""
         keys, slots, rules = self._keys, self._slots, self.rules
+        copies = self._tier_copies
+        if copies and not held_elsewhere:
+            # a tier gave back what it took while free (its copy is done, or abandoned):
+            # the hold was no use, so those blocks keep their standing (vLLM 0.32 and
+            # 0.33's lazy offloader frees them without evict_first)
+            returned = [item for item in released if item[1].block_id in copies]
+            if returned:
+                released = [item for item in released if item[1].block_id not in copies]
+                self._restore(returned)
         # a hybrid pool's rules rank some released blocks, and queue some to go first
         release_n = self.eviction.release_n if rules is None else rules.release_n
         if held_elsewhere and rules is None:
@@ -380,6 +399,8 @@ class KVPlugBlockPool(BlockPool):
         request_hit = self.releasing.request_hit
         output_tokens = self.releasing.output_tokens
         for from_end, block in released:
+            if copies:
+                copies.discard(block.block_id)
             if keys[block.block_id] == block._block_hash:
                 record = slots[block.block_id]
             else:  # a hash not cached through cache_full_blocks: record it now
@@ -397,6 +418,26 @@ class KVPlugBlockPool(BlockPool):
             records.append(record)
         if records:
             release_n(records)
+
+    def _restore(self, returned: list[tuple[int, KVCacheBlock]]) -> None:
+        """Blocks a tier took while free and gave back: evictable again with the standing
+        of their last release (`EvictionCore.restore_n`); a block whose hash changed
+        meanwhile, and any block of a hybrid pool (whose rules rank releases), is
+        released anew."""
+        keys, slots, copies = self._keys, self._slots, self._tier_copies
+        kept: list[CachedBlock] = []
+        anew: list[tuple[int, KVCacheBlock]] = []
+        for item in returned:
+            block = item[1]
+            copies.discard(block.block_id)
+            if self.rules is None and keys[block.block_id] == block._block_hash:
+                kept.append(slots[block.block_id])
+            else:
+                anew.append(item)
+        if kept:
+            self.eviction.restore_n(kept)
+        if anew:
+            self.on_free_n(anew)
 
     def mark_held_elsewhere(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Another tier holds a copy of `blocks` (a connector loaded them from there):
@@ -529,6 +570,8 @@ class KVPlugBlockPool(BlockPool):
             1 for b in self.blocks if not b.is_null and b.ref_cnt == 0
         )
         assert self._num_keys == sum(1 for key in self._keys if key is not None)
+        for block_id in self._tier_copies:
+            assert self.blocks[block_id].ref_cnt > 0, f"block {block_id}: a tier's copy, free"
         records = [self._slots[i] for i, key in enumerate(self._keys) if key is not None]
         children: dict[int, int] = {}
         for record in records:

@@ -144,6 +144,25 @@ def test_default_sglang_cache_is_unchanged() -> None:
     assert isinstance(cache.tree_core.eviction_strategy, LRUStrategy)
 
 
+def test_kvplug_policy_without_the_backend_is_refused() -> None:
+    """``--radix-eviction-policy kvplug-cost`` on SGLang's own cache gets kvplug's
+    message, naming the flag: from the Python tree core (which would rank it as recency)
+    and from the Rust core's adapter (which would die on the name), both of which build
+    the strategy by name before anything else."""
+    from sglang.srt.mem_cache.registry import default_radix_cache_factory
+    from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    with scheduler():
+        ctx = make_ctx("kvplug-cost")
+        ctx.params.tree_core_backend = "python"
+        with pytest.raises(ConfigError, match="add --radix-cache-backend kvplug"):
+            default_radix_cache_factory(ctx)
+        ctx.params.tree_components = (ComponentType.FULL,)
+        with pytest.raises(ConfigError, match="kvplug-cost is kvplug's policy"):
+            RustUnifiedTreeCore(ctx.params)
+
+
 def test_backend_alone_serves_cost_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="sglang.kvplug"):
         cache = build()

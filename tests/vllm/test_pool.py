@@ -27,9 +27,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvplug[v
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from ranked_policies import NewestFirst, TrackedLRU  # noqa: E402
 
 from kvplug.policies import make_policy  # noqa: E402
-from kvplug.policies.lru import LRUPolicy  # noqa: E402
 from kvplug.replay.arms.base import FRESH_UNIT_BASE  # noqa: E402
 from kvplug.replay.arms.vllm import VLLMStockArm  # noqa: E402
 from kvplug.vllm.block_pool import KVPlugBlockPool  # noqa: E402
@@ -131,14 +131,6 @@ def test_evict_on_request_and_reset_keep_the_pool_consistent():
     assert arm.admit(2, [1, 2, 3, F + 2], 3) == 0
 
 
-class TrackedLRU(LRUPolicy):
-    """kvplug's lru ranked through the eviction core: the pool only skips the core (its
-    untracked fast path) for `LRUPolicy` itself."""
-
-    name = "tracked-lru"
-    release_order = False  # ranked through the eviction core like any other policy
-
-
 @settings(max_examples=60, deadline=None)
 @given(capacity=st.integers(2, 24), prefixes=prefix_sets, ops=operations)
 def test_untracked_lru_counts_what_tracked_lru_counts(capacity, prefixes, ops):
@@ -167,3 +159,33 @@ def test_untracked_lru_counts_what_tracked_lru_counts(capacity, prefixes, ops):
         pool_of(fast).check_invariants()
         assert pool_of(fast).stats == pool_of(tracked).stats
         assert pool_of(fast).num_cached_blocks() == pool_of(tracked).num_cached_blocks()
+
+
+def blocks_of(arm: VLLMStockArm, req_id: int) -> list[int]:
+    return list(arm.manager.get_block_ids(str(req_id))[0])
+
+
+@pytest.mark.parametrize(
+    ("policy", "victim"),
+    [("lru", "older"), ("lfu", "newer"), ("cost", "newer"), ("newest-first", "newer")],
+)
+def test_the_block_handed_out_is_the_policys_victim(policy, victim):
+    """Two cached blocks, the older one reused: vLLM's order (and lru) evicts the older,
+    lfu, cost and a newest-first ranking the newer. The block the next request gets must
+    be the policy's victim, and the other block must still hit."""
+    arm = VLLMStockArm(2, NewestFirst() if policy == "newest-first" else make_policy(policy))
+    assert arm.admit(0, [1, F], 1) == 0
+    arm.finish(0)
+    assert arm.admit(1, [1, F + 1], 1) == 1  # (1) reused once
+    older = blocks_of(arm, 1)
+    arm.finish(1)
+    assert arm.admit(2, [2, F + 2], 1) == 0  # (2), released after (1), never reused
+    newer = blocks_of(arm, 2)
+    arm.finish(2)
+    assert arm.admit(3, [3, F + 3], 1) == 0  # one block: an eviction
+    expected = older if victim == "older" else newer
+    assert blocks_of(arm, 3) == expected
+    arm.finish(3)
+    pool_of(arm).check_invariants()
+    kept = [2, F + 4] if victim == "older" else [1, F + 4]
+    assert arm.admit(4, kept, 1) == 1

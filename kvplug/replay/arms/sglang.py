@@ -99,10 +99,11 @@ def _check_native_hash() -> None:
 def sglang_policies() -> list[str]:
     """The eviction policy names SGLang's radix cache accepts: the registry that
     `get_eviction_strategy` looks names up in (lru, lfu, fifo, mru, filo, priority, slru,
-    tlru in 0.5.23)."""
+    tlru in 0.5.23), less the ``kvplug-`` names kvplug's entry point adds (those need
+    kvplug's radix cache: the sglang-kvplug arm)."""
     from sglang.srt.mem_cache.utils import _EVICTION_POLICY_FACTORIES
 
-    return list(_EVICTION_POLICY_FACTORIES)
+    return [name for name in _EVICTION_POLICY_FACTORIES if not name.startswith("kvplug-")]
 
 
 @cache
