@@ -159,6 +159,13 @@ class KVPlugConfig(BaseModel):
         """Plain data that `from_dict` turns back into an equal config."""
         return self.model_dump()
 
+    def with_policy(self, policy: str | None) -> KVPlugConfig:
+        """This config serving `policy` instead (None: its own); another policy's
+        parameters do not carry over."""
+        if policy is None or policy == self.policy:
+            return self
+        return KVPlugConfig.load({**self.to_dict(), "policy": policy, "policy_config": {}})
+
     @classmethod
     def _from_data(cls, data: Any, origin: str | None) -> KVPlugConfig:
         where = f" in {origin}" if origin else ""

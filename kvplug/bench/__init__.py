@@ -7,6 +7,7 @@
 | `vllm_manager` | vLLM's `KVCacheManager` alone on a trace, full and hybrid (``bench manager``) |
 | `block_pool` | vLLM's `BlockPool` calls, µs per call (``kvplug bench block-pool``) |
 | `sglang_cache` | SGLang's radix-cache operations, kvplug's policy against SGLang's |
+| `cpu_tier` | vLLM's CPU offload tier on a trace, its policies against kvplug's |
 
 Each reports ratios against the stock arm measured in the same run; none is a test.
 """

@@ -7,6 +7,7 @@
 | ``step`` | vLLM's scheduler step, kvplug's pool against vLLM's (`kvplug.bench.vllm_step`) |
 | ``manager`` | vLLM's `KVCacheManager` alone on a trace (`kvplug.bench.vllm_manager`) |
 | ``block-pool`` | µs per `BlockPool` call, kvplug's pool against vLLM's |
+| ``cpu-tier`` | vLLM's CPU offload tier on a trace, its policies against kvplug's |
 | ``sglang-cache`` | SGLang's radix-cache operations (`kvplug.bench.sglang_cache`) |
 | ``serve`` | a stock server against a kvplug one over HTTP (`kvplug.serving`) |
 """
@@ -298,6 +299,30 @@ def block_pool(
     click.echo(pool_table(rows))
     click.echo("\nratio: this arm's median / stock's, measured in this run; one thread.")
     _write_json(json_path, lambda: [row.as_dict() for row in rows])
+
+
+@bench.command(name="cpu-tier")
+@click.argument("trace", default="packaged:mooncake")
+@click.option("--fractions", default="0.02,0.05,0.1,0.25", show_default=True,
+              help="Tier sizes, as fractions of the trace's distinct blocks.")  # fmt: skip
+@click.option("--policies", default="lru,arc,kvplug-cost,kvplug-lfu", show_default=True,
+              help="vLLM's CPU-tier policies and kvplug's (kvplug-<name>).")  # fmt: skip
+def cpu_tier(trace: str, fractions: str, policies: str) -> None:
+    """vLLM's CPU offload tier (OffloadingConnector's CPU manager) replaying TRACE, with
+    vLLM's policies and kvplug's: saved prefill compute, ratio to vLLM's lru. Needs vLLM."""
+    _require("vllm", "cpu-tier")
+    from kvplug.bench.cpu_tier import compare, format_results
+    from kvplug.replay.sources import capacities_for, load_trace
+
+    try:
+        shares = [float(part) for part in fractions.split(",") if part.strip()]
+    except ValueError as exc:
+        raise click.BadParameter(f"expected fractions, got {fractions!r}") from exc
+    if not shares or not all(0 < share <= 1 for share in shares):
+        raise click.BadParameter(f"fractions must lie in (0, 1], got {fractions!r}")
+    loaded = load_trace(trace)
+    names = tuple(name.strip() for name in policies.split(",") if name.strip())
+    click.echo(format_results(compare(loaded, capacities_for(loaded, shares), names)))
 
 
 @bench.command(name="sglang-cache")

@@ -54,13 +54,7 @@ def load_config(policy: str | None, given: Mapping[str, Any] | None) -> KVPlugCo
     optionally under ``"kvplug"``), else ``$KVPLUG_CONFIG``, else the defaults; with
     `policy` (from ``kvplug-<name>``, None: the config's own) as the policy."""
     if given is None:
-        base = KVPlugConfig.load(None)
-        if policy is None or policy == base.policy:
-            return base
-        data: dict[str, Any] = base.to_dict()
-        data["policy"] = policy
-        data["policy_config"] = {}  # parameters of another policy do not carry over
-        return KVPlugConfig.load(data)
+        return KVPlugConfig.load(None).with_policy(policy)
     data = dict(given)
     if len(data) == 1 and WRAPPER_KEY in data and isinstance(data[WRAPPER_KEY], Mapping):
         data = dict(data[WRAPPER_KEY])

@@ -6,7 +6,9 @@ so this does nothing a user could notice unless kvplug's scheduler is in use:
 - it names the folder for kvplug's metric snapshots in ``$KVPLUG_METRICS_DIR`` (inherited
   by the engine-core process) and registers a Prometheus collector that reads it; the
   collector yields nothing until a kvplug scheduler writes a snapshot;
-- it registers kvplug's FlashInfer attention backend where a CUDA GPU allows;
+- it registers kvplug's FlashInfer attention backend where a CUDA GPU allows, and
+  ``kvplug`` as a policy of vLLM's CPU offload tier (`kvplug.vllm.offload_policy`; only
+  used where ``kv_connector_extra_config`` names it);
 - it warns, once, if the installed vLLM is not one kvplug is tested with. The error comes
   from `kvplug.vllm.Scheduler` at start-up, only when kvplug is enabled.
 """
@@ -38,5 +40,12 @@ def register() -> None:
     except Exception as exc:  # metrics are optional; never break vLLM's start-up
         logger.debug("kvplug metrics collector not registered: %s", exc)
     from kvplug.kernels.engine_hooks import vllm_plugin
+
+    try:
+        from kvplug.vllm.offload_policy import register as register_offload_policy
+    except ImportError:  # a vLLM whose CPU tier takes no pluggable policy
+        pass
+    else:
+        register_offload_policy()
 
     vllm_plugin()  # kvplug's FlashInfer backend at any page size, where a GPU allows
