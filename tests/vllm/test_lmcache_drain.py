@@ -51,9 +51,7 @@ def filled(policy: Any) -> VLLMStockArm:
 def drained_blocks(arm: VLLMStockArm) -> list[int]:
     """One buffered store per cached block; the blocks of the stores LMCache releases."""
     pool = arm.manager.block_pool
-    queue = eviction_aware.EvictionAwareStoreQueue(
-        eviction_aware.EvictionAwarePolicyConfig(), pool
-    )
+    queue = eviction_aware.EvictionAwareStoreQueue(eviction_aware.EvictionAwarePolicyConfig(), pool)
     for block in pool.blocks:
         if not block.is_null and block.block_hash is not None:
             store = SimpleNamespace(
