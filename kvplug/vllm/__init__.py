@@ -22,13 +22,14 @@ blocks at its position with it, since no junction can use them any more.
 | `block_pool` | `KVPlugBlockPool`, `ReleaseOrderPool` (lru), `pool_class`, `CachedBlock` |
 | `anchors` | `HybridRules`: a hybrid pool's cross-group retiring and anchored windows |
 | `free_queue` | `PolicyFreeQueue`: vLLM's free-queue interface; its walk is the eviction order |
+| `offload_policy` | `KVPlugCachePolicy`: kvplug's decision in vLLM's CPU offload tier |
 | `compat` | everything that differs between the vLLM releases supported (0.32 to 0.34) |
 | `stats` | `PoolStats`, metrics snapshots and the Prometheus collector |
 | `plugin` | the ``vllm.general_plugins`` entry point |
 | `version` | the supported vLLM range and its check |
 
-The benchmarks of this adapter (``kvplug bench step``, ``manager``, ``block-pool``) are in
-`kvplug.bench`.
+The benchmarks of this adapter (``kvplug bench step``, ``manager``, ``block-pool``,
+``cpu-tier``) are in `kvplug.bench`.
 """
 
 from __future__ import annotations
