@@ -43,9 +43,9 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
-from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
+from sglang.srt.server_args import set_global_server_args_for_scheduler  # noqa: E402
 from sglang_fixture import FULL, build, match_prefix  # noqa: E402
-from sglang_hicache_cpu import cpu_hicache  # noqa: E402
+from sglang_hicache_cpu import cpu_hicache, cpu_hicache_server_args  # noqa: E402
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
@@ -56,14 +56,7 @@ class HiCache:
     def __init__(self, policy: str, write_policy: str, write_through_threshold: int) -> None:
         self.policy = policy
         self.cache, self.allocator, _ = build("full-p1", policy)
-        server_args = ServerArgs(
-            model_path="dummy",
-            device="cpu",
-            page_size=1,
-            hicache_io_backend="direct",
-            hicache_mem_layout="layer_first",
-            hicache_write_policy=write_policy,
-        )
+        server_args = cpu_hicache_server_args(hicache_write_policy=write_policy)
         set_global_server_args_for_scheduler(server_args)
         self.cache.init_hicache(server_args, self.cache.cache_init_params)
         self.cache.write_through_threshold = write_through_threshold
@@ -372,14 +365,7 @@ def test_the_backend_builds_a_hierarchical_cache() -> None:
         params = dataclasses.replace(
             stock.cache_init_params, eviction_policy="kvplug-cost", component_registry_override=None
         )
-        server_args = ServerArgs(
-            model_path="dummy",
-            device="cpu",
-            page_size=1,
-            hicache_io_backend="direct",
-            hicache_mem_layout="layer_first",
-            enable_hierarchical_cache=True,
-        )
+        server_args = cpu_hicache_server_args(enable_hierarchical_cache=True)
         server_args._radix_eviction_policy_explicitly_set = True
         set_global_server_args_for_scheduler(server_args)
         ctx = TreeCacheBuildContext(

@@ -60,3 +60,18 @@ def cpu_hicache() -> Iterator[None]:
         if not hasattr(torch.cpu.Stream, "synchronize"):
             patch.setattr(torch.cpu.Stream, "synchronize", lambda self: None, raising=False)
         yield
+
+
+def cpu_hicache_server_args(**flags: Any) -> Any:
+    """SGLang's `ServerArgs` for HiCache on the CPU: the direct copy path and the
+    layer-first host layout (what this fixture's copy stands in for), plus `flags`."""
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(
+        model_path="dummy",
+        device="cpu",
+        page_size=1,
+        hicache_io_backend="direct",
+        hicache_mem_layout="layer_first",
+        **flags,
+    )
