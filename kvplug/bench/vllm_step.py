@@ -547,3 +547,40 @@ def format_table(results: list[ArmResult]) -> str:
             f"{r.scheduled_tokens / max(r.timed_steps, 1):>8.0f} {hit:>6.1f} {evictions:>8}"
         )
     return "\n".join(lines)
+
+
+def decision_digest(
+    model_dir: Path, num_blocks: int, policy: str, steps: int, workload: Workload
+) -> str:
+    """A digest of every decision one kvplug arm makes over its warm-up and `steps` more
+    steps (untimed): each step's scheduled tokens and prefix hits per request, and the
+    block ids and hashes every allocation is handed (its victims, in order). Two builds of
+    the pool that decide alike give the same digest."""
+    import hashlib
+
+    arm = Arm(policy, build_vllm_config(model_dir, workload, num_blocks), workload, num_blocks)
+    digest = hashlib.sha256()
+    queue = arm.pool.free_block_queue
+    popleft_n = queue.popleft_n
+
+    def recorded(num: int) -> list[Any]:
+        # read as the queue hands the blocks out, before vLLM drops their hashes
+        taken = popleft_n(num)
+        for block in taken:
+            digest.update(f"{block.block_id}:{block.block_hash!r};".encode())
+        return taken
+
+    queue.popleft_n = recorded  # type: ignore[method-assign]
+    scheduler = arm.scheduler
+    original = scheduler.schedule
+
+    def schedule() -> Any:
+        output = original()
+        for data in output.scheduled_new_reqs:
+            digest.update(f"n{data.req_id}:{data.num_computed_tokens};".encode())
+        digest.update(repr(sorted(output.num_scheduled_tokens.items())).encode())
+        return output
+
+    scheduler.schedule = schedule  # type: ignore[method-assign]
+    arm.warm_up(20_000, settle=steps)
+    return digest.hexdigest()

@@ -127,8 +127,20 @@ def replay_speed(requests: int, policies: str, capacity_fraction: float) -> None
     default=None,
     help="Also write the report as JSON to this file.",
 )
+@click.option(
+    "--digest",
+    is_flag=True,
+    help="Instead of timing, print a digest of each kvplug arm's decisions (every "
+    "allocation's blocks, every step's hits), to compare two builds of the pool.",
+)
 def vllm_step(
-    blocks: str, steps: int, rounds: int, policies: str, seed: int, json_path: str | None
+    blocks: str,
+    steps: int,
+    rounds: int,
+    policies: str,
+    seed: int,
+    json_path: str | None,
+    digest: bool,
 ) -> None:
     """vLLM scheduler-step time with kvplug's block pool, against vLLM's own pool.
 
@@ -148,6 +160,9 @@ def vllm_step(
     from kvplug.bench.vllm_step import Workload, bench_vllm_step, format_table, report
 
     workload = Workload(seed=seed)
+    if digest:
+        _print_digests(_int_list(blocks), names, steps, workload)
+        return
     results = bench_vllm_step(
         _int_list(blocks),
         names,
@@ -162,6 +177,21 @@ def vllm_step(
         "times in ms per step, this machine's CPU, one thread."
     )
     _write_json(json_path, lambda: report(results, workload, steps, rounds))
+
+
+def _print_digests(sizes: list[int], names: list[str], steps: int, workload: Any) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from kvplug.bench.vllm_step import decision_digest
+    from kvplug.tools.tiny_model import build_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="kvplug-digest-") as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "tiny-llama", "llama")
+        for num_blocks in sizes:
+            for name in names:
+                found = decision_digest(model_dir, num_blocks, name, steps, workload)
+                click.echo(f"{num_blocks:>9,} blocks  {name:<10} {found}")
 
 
 @bench.command(name="manager")
