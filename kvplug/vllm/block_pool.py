@@ -11,10 +11,7 @@ and metrics collector. It changes two things:
   The pool tells the core when a record is cached (with the block before it in its
   request's chain, for full-attention groups), released (a request's blocks in one
   call), hit and dropped, and the core names the victim: the policy's lowest-ranked
-  *leaf*, so a shared root is evicted after the leaves below it. Without a sliding-window
-  group the core is `kvplug.core.chain_core.ChainCore` (a released request's chain is one
-  heap entry, walked from its tail); it decides exactly as `EvictionCore`, which hybrid
-  pools keep for their rules.
+  *leaf*, so a shared root is evicted after the leaves below it.
 
 **Hybrid models with a sliding-window group.** A hit is the junction every group serves,
 so one eviction can retire other groups' blocks, and sliding-window blocks no later
@@ -57,11 +54,10 @@ from typing import Any, ClassVar
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
-from kvplug.core.chain_core import Chain, ChainCore
 from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.core.groups import GroupKind
 from kvplug.policies import make_policy
-from kvplug.policies.base import EvictionPolicy, RankedPolicy
+from kvplug.policies.base import EvictionPolicy
 from kvplug.vllm.anchors import HybridRules
 from kvplug.vllm.free_queue import PolicyFreeQueue
 from kvplug.vllm.stats import PoolStats
@@ -88,14 +84,11 @@ class CachedBlock:
         "serial", "key", "depth", "hits", "from_end", "request_hit", "request_output",
         "held_elsewhere",
         "block", "parent", "parent_serial", "cached_children", "evictable", "anchored",
-        "chain", "chain_at",
     )  # fmt: skip
 
     def __init__(self, block: KVCacheBlock) -> None:
         self.block = block
         self.parent: CachedBlock | None = None
-        self.chain: Chain | None = None  # `ChainCore`'s
-        self.chain_at = 0
         self.reset(-1, None, 0)
 
     def reset(self, serial: int, key: Any, depth: int) -> None:
@@ -128,7 +121,7 @@ class KVPlugBlockPool(BlockPool):
     slot directly: its ``block_hash`` property costs a Python call per read.
     """
 
-    eviction: EvictionCore[CachedBlock] | ChainCore[CachedBlock]
+    eviction: EvictionCore[CachedBlock]
     stats: PoolStats
     # the eviction core ranks every cached block (a policy not in release order)
     tracked: ClassVar[bool] = True
@@ -200,10 +193,6 @@ class KVPlugBlockPool(BlockPool):
             # without a sliding-window group no victim retires anything (module doc there)
             if GroupKind.SLIDING_WINDOW in self.group_kinds.values():
                 self.rules = HybridRules(self, self.group_kinds, windows or {})
-            elif isinstance(policy, RankedPolicy):
-                # vLLM frees a request's blocks tail first: released chains, one heap
-                # entry each (`kvplug.core.chain_core`), the same decisions
-                self.eviction = ChainCore(policy)
         else:  # vLLM's own queue and order; `ReleaseOrderPool` only counts
             self.free_block_queue = FreeKVCacheBlockQueue(free)
             self._partial_entries = False  # whether vLLM registered a partial entry
@@ -473,23 +462,21 @@ class KVPlugBlockPool(BlockPool):
             for _ in range(n):
                 taken.append(self.evict_next(taken))
             return taken
-        eviction, keys = self.eviction, self._keys
-        records = (
-            eviction.pop_victims(n)
-            if isinstance(eviction, ChainCore)
-            else [record for _ in range(n) if (record := eviction.pop_victim()) is not None]
-        )
+        pop_victim, keys = self.eviction.pop_victim, self._keys
         victims: list[KVCacheBlock] = []
-        for record in records:
-            block = record.block
-            record.serial = -1  # `_forget`, less the core's part, which is done
-            keys[block.block_id] = None
+        popped = 0
+        for _ in range(n):
+            record = pop_victim()
+            if record is None:  # unreachable while the child counts are exact
+                block = self.free_block_queue.any_cached(victims)
+                self.forget(block)
+            else:
+                block = record.block
+                record.serial = -1  # `_forget`, less the core's part, which is done
+                keys[block.block_id] = None
+                popped += 1
             victims.append(block)
-        self._num_keys -= len(records)
-        while len(victims) < n:  # unreachable while the child counts are exact
-            block = self.free_block_queue.any_cached(victims)
-            self.forget(block)
-            victims.append(block)
+        self._num_keys -= popped
         return victims
 
     def iter_victims(self, gone: Sequence[KVCacheBlock] = ()) -> Iterator[KVCacheBlock]:
@@ -601,10 +588,7 @@ class KVPlugBlockPool(BlockPool):
             )
             unranked = rules is not None and rules.is_unranked(record)
             leaves += record.evictable and found == 0 and not unranked
-        if isinstance(self.eviction, ChainCore):
-            assert len(self.policy) == 0, "the policy's own candidate heap is in use"
-            self.eviction.check([record for record in records if record.evictable])
-        assert len(self.eviction) == leaves, "the candidates are not the cached leaves"
+        assert len(self.policy) == leaves, "the policy's candidates are not the cached leaves"
         if rules is not None:
             rules.check_invariants(records)
 

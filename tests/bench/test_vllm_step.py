@@ -4,6 +4,7 @@ arm, and kvplug's pool really in the kvplug arms."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,28 @@ def test_async_scheduling_gets_vllms_async_scheduler_with_kvplug_pool(model_dir:
     assert isinstance(scheduler, AsyncScheduler)
     assert type(scheduler).__name__ == "KVPlugAsyncScheduler"
     assert isinstance(scheduler.kv_cache_manager.block_pool, KVPlugBlockPool)
+
+
+def test_the_decision_digest_tells_policies_apart_and_repeats(model_dir: Path) -> None:
+    """The same arm twice gives one digest; a policy that keeps other blocks another; and a
+    pool that evicts another victim (the policy's order reversed) changes it."""
+    from kvplug.bench.vllm_step import decision_digest
+
+    cost = decision_digest(model_dir, NUM_BLOCKS, "cost", STEPS, TINY)
+    assert decision_digest(model_dir, NUM_BLOCKS, "cost", STEPS, TINY) == cost
+    assert decision_digest(model_dir, NUM_BLOCKS, "lru", STEPS, TINY) != cost
+    original = KVPlugBlockPool.evict_n
+    KVPlugBlockPool.evict_n = lambda self, n: original(self, n)[::-1]  # type: ignore[method-assign]
+    try:
+        assert decision_digest(model_dir, NUM_BLOCKS, "cost", STEPS, TINY) != cost
+    finally:
+        KVPlugBlockPool.evict_n = original  # type: ignore[method-assign]
+
+
+def test_the_command_prints_one_digest_per_arm() -> None:
+    args = ["step", "--blocks", "600", "--policies", "lru,cost", "--steps", "5", "--rounds", "1"]
+    result = CliRunner().invoke(bench, [*args, "--digest"])
+    assert result.exit_code == 0, result.output
+    rows = re.findall(r"600 blocks\s+(\S+)\s+([0-9a-f]{64})$", result.output, re.M)
+    assert [arm for arm, _ in rows] == ["lru", "cost"]
+    assert rows[0][1] != rows[1][1]
