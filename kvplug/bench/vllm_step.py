@@ -49,15 +49,17 @@ arm's step triggers it, so ``gc_ms`` is indicative only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
+import hashlib
 import platform
 import random
 import statistics
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -483,6 +485,18 @@ def _result(
     )
 
 
+@contextlib.contextmanager
+def tiny_model_dir(model_dir: Path | None = None) -> Iterator[Path]:
+    """`model_dir`, or a tiny model directory built for the benchmark and removed after."""
+    if model_dir is not None:
+        yield model_dir
+        return
+    from kvplug.tools.tiny_model import build_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="kvplug-bench-") as tmp:
+        yield build_tiny_model(Path(tmp) / "tiny-llama", "llama")
+
+
 def bench_vllm_step(
     sizes: list[int],
     policies: list[str],
@@ -495,11 +509,7 @@ def bench_vllm_step(
     """`bench_size` at each of `sizes`; builds a tiny model directory if none is given."""
     workload = workload or Workload()
     results: list[ArmResult] = []
-    with tempfile.TemporaryDirectory(prefix="kvplug-bench-") as tmp:
-        if model_dir is None:
-            from kvplug.tools.tiny_model import build_tiny_model
-
-            model_dir = build_tiny_model(Path(tmp) / "tiny-llama", "llama")
+    with tiny_model_dir(model_dir) as model_dir:
         for num_blocks in sizes:
             if progress is not None:
                 progress(
@@ -556,8 +566,6 @@ def decision_digest(
     steps (untimed): each step's scheduled tokens and prefix hits per request, and the
     block ids and hashes every allocation is handed (its victims, in order). Two builds of
     the pool that decide alike give the same digest."""
-    import hashlib
-
     arm = Arm(policy, build_vllm_config(model_dir, workload, num_blocks), workload, num_blocks)
     digest = hashlib.sha256()
     queue = arm.pool.free_block_queue
@@ -584,3 +592,17 @@ def decision_digest(
     scheduler.schedule = schedule  # type: ignore[method-assign]
     arm.warm_up(20_000, settle=steps)
     return digest.hexdigest()
+
+
+def decision_digests(
+    sizes: list[int], policies: list[str], steps: int, workload: Workload
+) -> Iterator[tuple[int, str, str]]:
+    """(blocks, policy, `decision_digest`) for each size and policy, on a tiny model."""
+    with tiny_model_dir() as model_dir:
+        for num_blocks in sizes:
+            for policy in policies:
+                yield (
+                    num_blocks,
+                    policy,
+                    decision_digest(model_dir, num_blocks, policy, steps, workload),
+                )

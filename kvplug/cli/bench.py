@@ -157,11 +157,18 @@ def vllm_step(
             "name one or more distinct kvplug policies (the stock arm always runs)",
             param_hint="--policies",
         )
-    from kvplug.bench.vllm_step import Workload, bench_vllm_step, format_table, report
+    from kvplug.bench.vllm_step import (
+        Workload,
+        bench_vllm_step,
+        decision_digests,
+        format_table,
+        report,
+    )
 
     workload = Workload(seed=seed)
     if digest:
-        _print_digests(_int_list(blocks), names, steps, workload)
+        for num_blocks, name, found in decision_digests(_int_list(blocks), names, steps, workload):
+            click.echo(f"{num_blocks:>9,} blocks  {name:<10} {found}")
         return
     results = bench_vllm_step(
         _int_list(blocks),
@@ -177,21 +184,6 @@ def vllm_step(
         "times in ms per step, this machine's CPU, one thread."
     )
     _write_json(json_path, lambda: report(results, workload, steps, rounds))
-
-
-def _print_digests(sizes: list[int], names: list[str], steps: int, workload: Any) -> None:
-    import tempfile
-    from pathlib import Path
-
-    from kvplug.bench.vllm_step import decision_digest
-    from kvplug.tools.tiny_model import build_tiny_model
-
-    with tempfile.TemporaryDirectory(prefix="kvplug-digest-") as tmp:
-        model_dir = build_tiny_model(Path(tmp) / "tiny-llama", "llama")
-        for num_blocks in sizes:
-            for name in names:
-                found = decision_digest(model_dir, num_blocks, name, steps, workload)
-                click.echo(f"{num_blocks:>9,} blocks  {name:<10} {found}")
 
 
 @bench.command(name="manager")

@@ -143,7 +143,9 @@ def test_async_scheduling_gets_vllms_async_scheduler_with_kvplug_pool(model_dir:
     assert isinstance(scheduler.kv_cache_manager.block_pool, KVPlugBlockPool)
 
 
-def test_the_decision_digest_tells_policies_apart_and_repeats(model_dir: Path) -> None:
+def test_the_decision_digest_tells_policies_apart_and_repeats(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same arm twice gives one digest; a policy that keeps other blocks another; and a
     pool that evicts another victim (the policy's order reversed) changes it."""
     from kvplug.bench.vllm_step import decision_digest
@@ -152,11 +154,8 @@ def test_the_decision_digest_tells_policies_apart_and_repeats(model_dir: Path) -
     assert decision_digest(model_dir, NUM_BLOCKS, "cost", STEPS, TINY) == cost
     assert decision_digest(model_dir, NUM_BLOCKS, "lru", STEPS, TINY) != cost
     original = KVPlugBlockPool.evict_n
-    KVPlugBlockPool.evict_n = lambda self, n: original(self, n)[::-1]  # type: ignore[method-assign]
-    try:
-        assert decision_digest(model_dir, NUM_BLOCKS, "cost", STEPS, TINY) != cost
-    finally:
-        KVPlugBlockPool.evict_n = original  # type: ignore[method-assign]
+    monkeypatch.setattr(KVPlugBlockPool, "evict_n", lambda self, n: original(self, n)[::-1])
+    assert decision_digest(model_dir, NUM_BLOCKS, "cost", STEPS, TINY) != cost
 
 
 def test_the_command_prints_one_digest_per_arm() -> None:
