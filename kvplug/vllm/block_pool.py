@@ -127,7 +127,7 @@ class KVPlugBlockPool(BlockPool):
     tracked: ClassVar[bool] = True
     rules: HybridRules | None  # a tracked hybrid pool's cross-group and anchor rules
     counts_handed_out = False  # evictions counted in get_new_blocks (else by the queue)
-    touch_counts_hits = True  # set by kvplug's manager: True only inside allocate_slots
+    touch_counts_hits = True  # kvplug's manager: True only while vLLM takes a prefix hit
 
     def __init__(self, *args: Any, policy: EvictionPolicy | None = None, **kwargs: Any) -> None:
         """vLLM's arguments, and the policy the pool serves (`pool_class` chose the class
@@ -203,8 +203,8 @@ class KVPlugBlockPool(BlockPool):
 
     # -- vLLM's entry points -------------------------------------------------------------
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Take a reference to `blocks`; a request reusing them (prefix hits, inside the
-        manager's allocate_slots, or any touch of a pool used without kvplug's manager)
+        """Take a reference to `blocks`; a request reusing them (prefix hits, taken inside
+        the call kvplug's manager wraps, or any touch of a pool used without kvplug's manager)
         counts a hit first. Another tier copying them out only holds them: a free cached
         block it takes keeps its standing when the tier frees it (`on_free_n`)."""
         if not self.touch_counts_hits:

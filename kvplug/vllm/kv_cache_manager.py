@@ -5,9 +5,10 @@ arguments. `kvplug_classes` rebinds, for the duration of one construction and un
 lock, the two names vLLM looks up: `BlockPool` in the coordinator module (so the pool
 built is the class that serves the policy, chosen by `pool_class`, given the policy) and
 `KVCacheManager` in the scheduler module (so the scheduler builds a
-`KVPlugKVCacheManager`). `attach_policy` then gives the pool its
-policy. The scheduler (`kvplug.vllm.scheduler`) and the replay's ``vllm-kvplug`` arm
-(`build_kvplug_manager`) both go through these two functions.
+`KVPlugKVCacheManager`, or with a KV connector a `ConnectorKVCacheManager`).
+`attach_policy` then gives the pool its policy. The scheduler (`kvplug.vllm.scheduler`)
+and the replay's ``vllm-kvplug`` arm (`build_kvplug_manager`) both go through these two
+functions.
 """
 
 from __future__ import annotations
@@ -48,9 +49,20 @@ def matched_tokens(request: Any) -> int:
 
 class KVPlugKVCacheManager(KVCacheManager):
     """vLLM's KV cache manager; it notes each request's prefix hit and tells the pool
-    which request is releasing blocks."""
+    which request is releasing blocks.
+
+    The pool counts a touch as a prefix hit only inside the call where vLLM's
+    single-type managers take a request's cached blocks (`HIT_TOUCH`, wrapped on each
+    manager instance): any other touch is another tier holding blocks while it copies
+    them out. Wrapping that call, made once per admitted request, costs nothing on the
+    calls made for every scheduled request (``allocate_slots``)."""
 
     block_pool: KVPlugBlockPool
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for manager in self.coordinator.single_type_managers:
+            _count_hits_in(manager, self.block_pool)
 
     def get_computed_blocks(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         # (blocks, hit tokens, shared prefix boundary): with a sliding-window group, the
@@ -62,24 +74,6 @@ class KVPlugKVCacheManager(KVCacheManager):
         if request.num_output_tokens == 0:  # its first prefill, not a resume
             request.kvplug_matched_tokens = result[1]
             request.kvplug_branch = result[2]
-        return result
-
-    def allocate_slots(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        # A connector's external tokens (vLLM's scheduler passes them by keyword) were
-        # loaded from another tier, which keeps its copy: the blocks that hold them,
-        # after the local hit, are held elsewhere.
-        pool = self.block_pool
-        pool.touch_counts_hits = True  # the touches in here are prefix hits
-        try:
-            result = super().allocate_slots(request, *args, **kwargs)
-        finally:
-            pool.touch_counts_hits = False
-        external = kwargs.get("num_external_computed_tokens", 0)
-        if external and result is not None and self.block_pool.tracked:
-            local = request.num_computed_tokens + kwargs.get("num_new_computed_tokens", 0)
-            size = self.coordinator.single_type_managers[0].block_size
-            blocks = self.coordinator.single_type_managers[0].req_to_blocks[request.request_id]
-            self.block_pool.mark_held_elsewhere(blocks[local // size : (local + external) // size])
         return result
 
     def free(self, request: Any) -> None:
@@ -104,13 +98,57 @@ class KVPlugKVCacheManager(KVCacheManager):
             self.block_pool.releasing = Release()
 
 
+class ConnectorKVCacheManager(KVPlugKVCacheManager):
+    """The manager of a scheduler with a KV connector (an offload tier, LMCache): the
+    blocks that hold a connector's external tokens were loaded from another tier, which
+    keeps its copy, so the pool values them as a reload (`mark_held_elsewhere`)."""
+
+    def allocate_slots(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        # vLLM's scheduler passes the external tokens by keyword; they follow the local hit
+        result = super().allocate_slots(request, *args, **kwargs)
+        external = kwargs.get("num_external_computed_tokens", 0)
+        if external and result is not None and self.block_pool.tracked:
+            local = request.num_computed_tokens + kwargs.get("num_new_computed_tokens", 0)
+            manager = self.coordinator.single_type_managers[0]
+            blocks = manager.req_to_blocks[request.request_id]
+            size = manager.block_size
+            self.block_pool.mark_held_elsewhere(blocks[local // size : (local + external) // size])
+        return result
+
+
+# the single-type manager call that touches a request's prefix hits (vLLM 0.32-0.34)
+HIT_TOUCH = "add_local_computed_blocks"
+
+
+def _count_hits_in(manager: Any, pool: KVPlugBlockPool) -> None:
+    """While `manager` takes a request's cached blocks, `pool` counts its touches as hits."""
+    taking = getattr(manager, HIT_TOUCH, None)
+    if taking is None:
+        raise RuntimeError(
+            f"kvplug: vLLM's {type(manager).__name__} has no {HIT_TOUCH}: this vLLM release "
+            "takes prefix hits in a call kvplug does not know (kvplug.vllm.version lists "
+            "the releases it supports)"
+        )
+
+    @functools.wraps(taking)
+    def counting_hits(*args: Any, **kwargs: Any) -> Any:
+        pool.touch_counts_hits = True
+        try:
+            return taking(*args, **kwargs)
+        finally:
+            pool.touch_counts_hits = False
+
+    setattr(manager, HIT_TOUCH, counting_hits)
+
+
 @contextlib.contextmanager
-def kvplug_classes(policy: EvictionPolicy) -> Iterator[None]:
+def kvplug_classes(policy: EvictionPolicy, connector: bool = False) -> Iterator[None]:
     """While open, vLLM builds kvplug's pool (the class that serves `policy`, with it) and
-    manager classes in place of its own."""
+    manager classes in place of its own (`ConnectorKVCacheManager` with a KV `connector`)."""
+    manager = ConnectorKVCacheManager if connector else KVPlugKVCacheManager
     swaps = [
         (kv_cache_coordinator, "BlockPool", functools.partial(pool_class(policy), policy=policy)),
-        (vllm_scheduler, "KVCacheManager", KVPlugKVCacheManager),
+        (vllm_scheduler, "KVCacheManager", manager),
     ]
     with _swap_lock:
         originals = [getattr(module, name) for module, name, _ in swaps]
@@ -164,8 +202,8 @@ def attach_policy(
 ) -> PoolStats:
     """Give the manager's pool `policy`; returns the statistics the pool counts into."""
     stats = PoolStats()
-    # a touch outside allocate_slots is another tier holding blocks while it copies them
-    # out (vLLM's offload connector), not a use
+    # a touch outside a single-type manager's hit call is another tier holding blocks
+    # while it copies them out (vLLM's offload connector), not a use
     manager.block_pool.touch_counts_hits = False
     manager.block_pool.use_policy(
         policy,
@@ -177,9 +215,13 @@ def attach_policy(
     return stats
 
 
-def build_kvplug_manager(policy: EvictionPolicy, **kwargs: Any) -> KVPlugKVCacheManager:
-    """A `KVPlugKVCacheManager` built from vLLM's own arguments, its pool ranked by `policy`."""
-    with kvplug_classes(policy):
-        manager = KVPlugKVCacheManager(**kwargs)
+def build_kvplug_manager(
+    policy: EvictionPolicy, connector: bool = False, **kwargs: Any
+) -> KVPlugKVCacheManager:
+    """A `KVPlugKVCacheManager` built from vLLM's own arguments, its pool ranked by
+    `policy` (a `ConnectorKVCacheManager` if a `connector` loads external tokens)."""
+    manager_class = ConnectorKVCacheManager if connector else KVPlugKVCacheManager
+    with kvplug_classes(policy, connector):
+        manager = manager_class(**kwargs)
     attach_policy(manager, policy, kwargs["kv_cache_config"])
     return manager

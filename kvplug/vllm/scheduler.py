@@ -86,7 +86,7 @@ class KVPlugSchedulerMixin:
         _check_block_size(config, vllm_config)
         model = model_spec(vllm_config)
         policy = build_policy(config, model)
-        with kvplug_classes(policy):
+        with kvplug_classes(policy, connector=vllm_config.kv_transfer_config is not None):
             super().__init__(**kwargs)  # type: ignore[call-arg]
         kv_cache_config = kwargs["kv_cache_config"]
         self.kvplug_config = config

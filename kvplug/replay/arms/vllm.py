@@ -85,6 +85,7 @@ class VLLMStockArm(CacheArm):
     """
 
     name = "vllm-stock"
+    connector = False  # whether a KV connector loads external tokens (an offload tier)
 
     def __init__(self, capacity_blocks: int, policy: EvictionPolicy | None = None) -> None:
         check_vllm()
@@ -107,7 +108,7 @@ class VLLMStockArm(CacheArm):
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
         )
-        self.manager = build_manager(config, policy)
+        self.manager = build_manager(config, policy, connector=self.connector)
         if policy is not None:
             self.name = f"vllm-kvplug:{policy.name}"
         hash_fn = get_hash_fn_by_name(HASH_ALGORITHM)
@@ -192,10 +193,13 @@ class VLLMStockArm(CacheArm):
                     self._churn += self._hits.pop(key, 0) == 0
 
 
-def build_manager(config: Any, policy: EvictionPolicy | None, kv_events: bool = True) -> Any:
+def build_manager(
+    config: Any, policy: EvictionPolicy | None, kv_events: bool = True, connector: bool = False
+) -> Any:
     """vLLM's `KVCacheManager` over `config`, one unit per token and per block, prefix
     caching on, KV events on unless `kv_events` is False (as in a ``vllm serve`` without
-    ``--kv-events-config``); with kvplug's pool ranked by `policy` unless it is None."""
+    ``--kv-events-config``); with kvplug's pool ranked by `policy` unless it is None (and
+    kvplug's manager for a KV `connector` if one loads external tokens)."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     manager_kwargs = dict(
@@ -210,7 +214,7 @@ def build_manager(config: Any, policy: EvictionPolicy | None, kv_events: bool = 
         return KVCacheManager(**manager_kwargs)
     from kvplug.vllm.kv_cache_manager import build_kvplug_manager
 
-    return build_kvplug_manager(policy, **manager_kwargs)
+    return build_kvplug_manager(policy, connector, **manager_kwargs)
 
 
 def _drop_last_tokens(request: Request, count: int) -> None:

@@ -41,6 +41,8 @@ def free_to_evict_first(pool: Any, blocks: list[Any]) -> None:
 class VLLMOffloadArm(VLLMStockArm):
     """A vLLM arm with a lazily filled CPU tier of `host_blocks` blocks (module doc)."""
 
+    connector = True
+
     def __init__(
         self,
         capacity_blocks: int,
