@@ -217,7 +217,7 @@ class EvictionCore(Generic[N]):
                 if node.serial not in skip:
                     yield node  # type: ignore[misc]
             return
-        promoted: list[tuple[tuple[float, float, int], N]] = []  # parents left without children
+        promoted: list[tuple[int, N]] = []  # parents left without children
         children_left: dict[int, int] = {}
         skip = {node.serial for node in gone}
 

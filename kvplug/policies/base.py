@@ -20,8 +20,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from heapq import heapify, heappop, heappush
 from itertools import count
-from math import floor
 from typing import TYPE_CHECKING, ClassVar
+
+from kvplug.policies.entry import (
+    SERIAL_MASK,
+    entry_rank,
+    make_entry,
+    restored_entry,
+)
 
 if TYPE_CHECKING:
     from kvplug.policies.node import CachedNode
@@ -130,16 +136,17 @@ class RankedPolicy(EvictionPolicy):
 
     Subclasses implement `rank`; ties go to the node released first. Discarding a
     candidate only forgets it; its heap entry is dropped when it reaches the top (an
-    entry is current while its node is a candidate released with that rank and order),
-    and the heap is rebuilt when stale entries outnumber current ones. A release makes
-    one ``(rank, release order, serial)`` entry, kept in ``_rank`` and pushed as is.
+    entry is current while its node is a candidate released with that entry), and the
+    heap is rebuilt when stale entries outnumber current ones. A release makes one entry
+    (`kvplug.policies.entry`: an int that sorts as ``(rank, release order, serial)``),
+    kept in ``_rank`` and pushed as is.
     """
 
     def __init__(self) -> None:
-        # serial -> its entry at its last release: (rank, release order, serial); a
-        # restored entry's order is fractional (`restore`)
-        self._rank: dict[int, tuple[float, float, int]] = {}
-        self._heap: list[tuple[float, float, int]] = []  # (rank, release order, serial)
+        # serial -> its entry at its last release (`kvplug.policies.entry`); a restored
+        # entry's order is fractional (`restore`)
+        self._rank: dict[int, int] = {}
+        self._heap: list[int] = []  # entries
         self._nodes: dict[int, CachedNode] = {}  # serial -> node, for current candidates
         self._releases = count()
         self.chosen = -1  # serial of the last victim `first_candidate` named
@@ -150,13 +157,13 @@ class RankedPolicy(EvictionPolicy):
 
     def release(self, node: CachedNode) -> None:
         serial = node.serial
-        self._rank[serial] = (self.rank(node), next(self._releases), serial)
+        self._rank[serial] = make_entry(self.rank(node), next(self._releases), serial)
 
     def release_n(self, nodes: Sequence[CachedNode]) -> None:
         ranks, rank, releases = self._rank, self.rank, self._releases
         for node in nodes:
             serial = node.serial
-            ranks[serial] = (rank(node), next(releases), serial)
+            ranks[serial] = make_entry(rank(node), next(releases), serial)
 
     def add_candidate(self, node: CachedNode) -> None:
         serial = node.serial
@@ -184,10 +191,10 @@ class RankedPolicy(EvictionPolicy):
         """The next victim, or None if there is no candidate."""
         heap, nodes, ranks = self._heap, self._nodes, self._rank
         while heap:
-            _, order, serial = heap[0]
+            entry = heap[0]
+            serial = entry & SERIAL_MASK
             node = nodes.get(serial)
-            # release orders are unique, so the order alone tells a current entry
-            if node is not None and ranks[serial][1] == order:
+            if node is not None and ranks[serial] == entry:
                 self.chosen = serial
                 return node
             heappop(heap)
@@ -196,9 +203,10 @@ class RankedPolicy(EvictionPolicy):
     def pop_first(self) -> CachedNode | None:
         heap, nodes, ranks = self._heap, self._nodes, self._rank
         while heap:
-            _, order, serial = heappop(heap)
+            entry = heappop(heap)
+            serial = entry & SERIAL_MASK
             node = nodes.get(serial)
-            if node is not None and ranks[serial][1] == order:  # current: see first_candidate
+            if node is not None and ranks[serial] == entry:  # current: see first_candidate
                 del nodes[serial]
                 self.chosen = serial
                 return node
@@ -209,9 +217,9 @@ class RankedPolicy(EvictionPolicy):
             first = self.first_candidate()
             return [] if first is None else [first]
         current = sorted(self._rank[serial] for serial in self._nodes)
-        return [self._nodes[serial] for *_, serial in current[:n]]
+        return [self._nodes[entry & SERIAL_MASK] for entry in current[:n]]
 
-    def iter_ranked(self) -> Iterator[tuple[tuple[float, float, int], CachedNode]]:
+    def iter_ranked(self) -> Iterator[tuple[int, CachedNode]]:
         """The current candidates with their entries, lowest (evicted first) first, without
         changing anything: the heap read in order through a frontier of its positions,
         O(log n) per candidate and nothing copied. The caller changes nothing meanwhile."""
@@ -225,9 +233,9 @@ class RankedPolicy(EvictionPolicy):
             for child in (2 * at + 1, 2 * at + 2):
                 if child < size:
                     heappush(frontier, (heap[child], child))
-            serial = entry[2]
+            serial = entry & SERIAL_MASK
             node = nodes.get(serial)
-            if node is not None and ranks[serial][1] == entry[1]:  # current: first_candidate
+            if node is not None and ranks[serial] == entry:  # current: first_candidate
                 yield entry, node
 
     def lowest_rank(self) -> float | None:
@@ -235,20 +243,18 @@ class RankedPolicy(EvictionPolicy):
         first = self.first_candidate()
         return None if first is None else self.rank_of(first)
 
-    def entry_of(self, node: CachedNode) -> tuple[float, float, int]:
-        """`node`'s place in the eviction order at its latest release: (rank, release
-        order, serial); a smaller entry is evicted sooner."""
+    def entry_of(self, node: CachedNode) -> int:
+        """`node`'s place in the eviction order at its latest release (an entry of
+        `kvplug.policies.entry`); a smaller entry is evicted sooner."""
         return self._rank[node.serial]
 
     def restore(self, node: CachedNode) -> None:
         """`node` is released again without a use: it keeps its last rank and its place
         among the nodes of that rank. Its entry gets a new release order halfway between
-        the old one and the next whole one (orders given by releases are whole), which
-        sorts the same against every other entry and makes heap entries left from before
-        stale."""
-        rank, order, serial = self._rank[node.serial]
-        whole = floor(order)
-        self._rank[serial] = (rank, whole + (order - whole + 1) / 2, serial)
+        the old one and the next whole one (`restored_entry`), which sorts the same
+        against every other entry and makes heap entries left from before stale."""
+        serial = node.serial
+        self._rank[serial] = restored_entry(self._rank[serial])
 
     def has_rank(self, node: CachedNode) -> bool:
         """Whether `node` was ranked at a release since it was cached."""
@@ -256,7 +262,7 @@ class RankedPolicy(EvictionPolicy):
 
     def rank_of(self, node: CachedNode) -> float:
         """The rank `node` was given at its latest release (it must have been released)."""
-        return self._rank[node.serial][0]
+        return entry_rank(self._rank[node.serial])
 
     def __len__(self) -> int:
         return len(self._nodes)

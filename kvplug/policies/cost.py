@@ -49,10 +49,22 @@ from typing import TYPE_CHECKING
 
 from kvplug.errors import ConfigError
 from kvplug.policies.base import RankedPolicy
+from kvplug.policies.entry import (
+    DOUBLE,
+    KEY_MASK,
+    RANK_SHIFT,
+    SIGN_BIT,
+    WHOLE_ORDER_SHIFT,
+    entry_rank,
+    key_rank,
+    make_entry,
+    rank_key,
+)
 from kvplug.policies.reload import HostLink
 from kvplug.policies.value import BlockValue
 
 if TYPE_CHECKING:
+    from kvplug.core.model_spec import ModelSpec
     from kvplug.policies.node import CachedNode
 
 ReuseClass = tuple[int, ...]
@@ -63,7 +75,7 @@ class CostPolicy(RankedPolicy):
 
     def __init__(
         self,
-        model: str | None = None,
+        model: str | ModelSpec | None = None,
         tokens_per_block: int | None = None,
         ghost_ratio: float = 2.0,
         frequency_weight: float = 1.0,
@@ -87,6 +99,7 @@ class CostPolicy(RankedPolicy):
         self._reload: float | None = None  # `value.reload(host_link)`, once bound
         self._tiers_seen = False  # a block was ever held elsewhere (then `_credits` looks)
         self.inflation = 0.0
+        self._inflation_key = rank_key(0.0)  # `inflation`'s key (`kvplug.policies.entry`)
         # Classes travel as small int codes (see `credit`), hashed and stored with no
         # tuple made per release; `_classes` names each code's class.
         self._classes: dict[int, ReuseClass] = {}
@@ -188,9 +201,9 @@ class CostPolicy(RankedPolicy):
         if entry is None or not evictable or not node.held_elsewhere:
             return
         rank = self.rank(node)
-        if rank >= entry[0]:
+        if rank >= entry_rank(entry):
             return
-        entry = self._rank[serial] = (rank, next(self._releases), serial)
+        entry = self._rank[serial] = make_entry(rank, next(self._releases), serial)
         if serial in self._nodes:  # a candidate: its old heap entry is stale now
             heappush(self._heap, entry)
 
@@ -199,9 +212,13 @@ class CostPolicy(RankedPolicy):
             super().release_n(nodes)
             return
         ranks, releases, inflation = self._rank, self._releases, self.inflation
+        pack, from_bytes = DOUBLE.pack, int.from_bytes
         for node, credit in zip(nodes, self._credits(nodes), strict=True):
             serial = node.serial
-            ranks[serial] = (inflation + credit, next(releases), serial)
+            # make_entry(inflation + credit, next(releases), serial), inlined
+            bits = from_bytes(pack(inflation + credit + 0.0), "little")
+            key = bits ^ KEY_MASK if bits & SIGN_BIT else bits | SIGN_BIT
+            ranks[serial] = key << RANK_SHIFT | next(releases) << WHOLE_ORDER_SHIFT | serial
 
     def insert(self, node: CachedNode) -> None:
         ghost = self._ghosts.pop(node.key, None)
@@ -221,8 +238,11 @@ class CostPolicy(RankedPolicy):
         # L rises to the policy's own victims only: a block dropped for another reason
         # (a hybrid junction's dependents, an invalidation) says nothing about the
         # value of what stays
-        if ranked is not None and ranked[0] > self.inflation and serial == self.chosen:
-            self.inflation = ranked[0]
+        if ranked is not None and serial == self.chosen:
+            key = ranked >> RANK_SHIFT  # compared as keys, which sort as the ranks do
+            if key > self._inflation_key:
+                self._inflation_key = key
+                self.inflation = key_rank(key)
         code = self._trial.pop(serial, None)
         if code is not None:
             ghosts = self._ghosts

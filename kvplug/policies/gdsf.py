@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvplug.policies.base import RankedPolicy
+from kvplug.policies.entry import entry_rank
 from kvplug.policies.value import BlockValue
 
 if TYPE_CHECKING:
@@ -33,5 +34,5 @@ class GDSFPolicy(RankedPolicy):
     def remove(self, node: CachedNode) -> None:
         ranked = self._rank.get(node.serial)
         if ranked is not None and node.serial == self.chosen:  # the policy's own victim
-            self.inflation = max(self.inflation, ranked[0])
+            self.inflation = max(self.inflation, entry_rank(ranked))
         super().remove(node)

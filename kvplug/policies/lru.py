@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvplug.policies.base import RankedPolicy
+from kvplug.policies.entry import make_entry
 
 if TYPE_CHECKING:
     from kvplug.policies.node import CachedNode
@@ -40,7 +41,7 @@ class LRUPolicy(RankedPolicy):
         if order is None:
             super().release(node)
         else:
-            self._rank[node.serial] = (0.0, order, node.serial)
+            self._rank[node.serial] = make_entry(0.0, order, node.serial)
 
     def release_n(self, nodes: Sequence[CachedNode]) -> None:
         if not self._accessed:
