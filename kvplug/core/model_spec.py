@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +68,14 @@ class ModelSpec:
             )
         dtype_bytes(self.dtype)
 
-    @property
+    @cached_property  # read for every prefill estimate; the fields never change
     def linear_flops_per_token(self) -> float:
         q_dim, kv_dim = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
         h = self.hidden_size
         per_layer = h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * self.intermediate_size
         return 2.0 * self.layers * per_layer
 
-    @property
+    @cached_property
     def attention_flops_per_position(self) -> float:
         return 4.0 * self.layers * self.q_heads * self.head_dim
 
