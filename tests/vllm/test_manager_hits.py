@@ -79,6 +79,55 @@ def test_the_scheduler_builds_the_manager_for_its_connector(connector):
     assert vllm_scheduler.KVCacheManager is not expected
 
 
+@pytest.mark.parametrize("connector", [False, True])
+def test_vllms_scheduler_with_a_kv_connector_gets_the_connector_manager(connector, tmp_path):
+    """kvplug's scheduler, built as vLLM's engine core builds it, with vLLM's
+    SimpleCPUOffloadConnector configured or not."""
+    import torch
+    from vllm.config import KVTransferConfig
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    import kvplug.vllm
+    from kvplug.bench.vllm_step import Workload, build_vllm_config
+    from kvplug.tools.tiny_model import build_tiny_model
+
+    workload, blocks = Workload(), 64
+    config = build_vllm_config(build_tiny_model(tmp_path / "tiny", "llama"), workload, blocks)
+    config.additional_config = {"kvplug": {"policy": "cost"}}
+    if connector:
+        config.kv_transfer_config = KVTransferConfig(
+            kv_connector="SimpleCPUOffloadConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 22},
+        )
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(size=page * blocks, layers=["layer"], layer_stride=page * blocks,
+                           block_stride=page)  # fmt: skip
+    kv_cache_config = KVCacheConfig(
+        num_blocks=blocks,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer"], kv_cache_spec=spec)],
+    )
+    scheduler = kvplug.vllm.Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=16,
+        hash_block_size=16,
+        log_stats=False,
+    )
+    assert (scheduler.connector is not None) == connector
+    expected = ConnectorKVCacheManager if connector else KVPlugKVCacheManager
+    assert type(scheduler.kv_cache_manager) is expected
+
+
 def test_a_vllm_without_the_hit_call_is_refused(monkeypatch):
     from vllm.v1.core import single_type_kv_cache_manager as single
 
