@@ -23,12 +23,13 @@ from fractions import Fraction
 from struct import Struct
 
 FRACTION_BITS = 32
+WHOLE_ORDER_BITS = 64
 SERIAL_BITS = 64
 ORDER_SHIFT = SERIAL_BITS  # the order, fraction included, starts here
 WHOLE_ORDER_SHIFT = ORDER_SHIFT + FRACTION_BITS
-RANK_SHIFT = SERIAL_BITS + 64 + FRACTION_BITS
+RANK_SHIFT = SERIAL_BITS + WHOLE_ORDER_BITS + FRACTION_BITS
 SERIAL_MASK = (1 << SERIAL_BITS) - 1
-ORDER_MASK = (1 << (64 + FRACTION_BITS)) - 1
+ORDER_MASK = (1 << (WHOLE_ORDER_BITS + FRACTION_BITS)) - 1
 SIGN_BIT = 1 << 63  # of a rank's IEEE 754 bits
 KEY_MASK = (1 << 64) - 1
 DOUBLE = Struct("<d")  # a rank's bits: DOUBLE.pack, then int.from_bytes(..., "little")

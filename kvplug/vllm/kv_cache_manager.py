@@ -107,7 +107,7 @@ class ConnectorKVCacheManager(KVPlugKVCacheManager):
         # vLLM's scheduler passes the external tokens by keyword; they follow the local hit
         result = super().allocate_slots(request, *args, **kwargs)
         external = kwargs.get("num_external_computed_tokens", 0)
-        if external and result is not None and self.block_pool.tracked:
+        if external and result is not None:
             local = request.num_computed_tokens + kwargs.get("num_new_computed_tokens", 0)
             manager = self.coordinator.single_type_managers[0]
             blocks = manager.req_to_blocks[request.request_id]
@@ -141,14 +141,18 @@ def _count_hits_in(manager: Any, pool: KVPlugBlockPool) -> None:
     setattr(manager, HIT_TOUCH, counting_hits)
 
 
+def manager_class(connector: bool) -> type[KVPlugKVCacheManager]:
+    """kvplug's manager class for a scheduler with a KV `connector` or without one."""
+    return ConnectorKVCacheManager if connector else KVPlugKVCacheManager
+
+
 @contextlib.contextmanager
 def kvplug_classes(policy: EvictionPolicy, connector: bool = False) -> Iterator[None]:
     """While open, vLLM builds kvplug's pool (the class that serves `policy`, with it) and
-    manager classes in place of its own (`ConnectorKVCacheManager` with a KV `connector`)."""
-    manager = ConnectorKVCacheManager if connector else KVPlugKVCacheManager
+    manager classes in place of its own (`manager_class`)."""
     swaps = [
         (kv_cache_coordinator, "BlockPool", functools.partial(pool_class(policy), policy=policy)),
-        (vllm_scheduler, "KVCacheManager", manager),
+        (vllm_scheduler, "KVCacheManager", manager_class(connector)),
     ]
     with _swap_lock:
         originals = [getattr(module, name) for module, name, _ in swaps]
@@ -220,8 +224,7 @@ def build_kvplug_manager(
 ) -> KVPlugKVCacheManager:
     """A `KVPlugKVCacheManager` built from vLLM's own arguments, its pool ranked by
     `policy` (a `ConnectorKVCacheManager` if a `connector` loads external tokens)."""
-    manager_class = ConnectorKVCacheManager if connector else KVPlugKVCacheManager
     with kvplug_classes(policy, connector):
-        manager = manager_class(**kwargs)
+        manager = manager_class(connector)(**kwargs)
     attach_policy(manager, policy, kwargs["kv_cache_config"])
     return manager
