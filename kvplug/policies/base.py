@@ -40,12 +40,16 @@ class EvictionPolicy(ABC):
     `offline` (it needs every request in advance: the replay calls `foresee` and keeps
     `now` at the index of the request being admitted; no engine runs it) and
     `release_order` (its victim is always the candidate released longest ago, so an
-    engine whose free queue is kept in release order may evict from it unchanged).
+    engine whose free queue is kept in release order may evict from it unchanged) and
+    `values_position` (a block's rank depends on its depth, so the tail of an engine's
+    many-block node is worth less than its head: SGLang's adapter then evicts only the
+    tail pages it needs of a victim node, not the whole node).
     """
 
     name: ClassVar[str]
     offline: ClassVar[bool] = False
     release_order: ClassVar[bool] = False
+    values_position: ClassVar[bool] = False
     now: int = 0  # offline policies: the replay's clock
     # it values a block another tier holds as a reload (`tier_changed`); an engine's own
     # "evict first" lane for such blocks then gives way to the policy's ranking

@@ -72,6 +72,7 @@ ReuseClass = tuple[int, ...]
 
 class CostPolicy(RankedPolicy):
     name = "cost"
+    values_position = True  # `value` grows with depth
 
     def __init__(
         self,

@@ -46,6 +46,7 @@ from kvplug.sglang.components import kvplug_components
 from kvplug.sglang.namespace import RequestNamespace, first_sight
 from kvplug.sglang.stats import CacheStats, PrometheusExporter
 from kvplug.sglang.strategy import PREFIX, load_config, policy_name
+from kvplug.sglang.tree_core import ReleasingRequest
 from kvplug.sglang.version import check_private_names, check_sglang_version
 
 logger = logging.getLogger("sglang.kvplug")
@@ -54,7 +55,8 @@ BACKEND = "kvplug"  # the name of both the radix-cache and the tree-core backend
 
 
 class KVPlugRadixCache(UnifiedRadixCache):
-    """SGLang's `UnifiedRadixCache`; each request's keys carry kvplug's namespace, and
+    """SGLang's `UnifiedRadixCache`; each request's keys carry kvplug's namespace, a
+    finished request's released nodes learn what it knew (`ReleasingRequest`), and
     kvplug's counters (``kvplug_stats``, its tree core's) count each request once, when it
     finishes, with the cached tokens SGLang itself reports for it (``req.cached_tokens``,
     so kvplug's and SGLang's counters agree), and reach ``/metrics`` through
@@ -85,7 +87,30 @@ class KVPlugRadixCache(UnifiedRadixCache):
             )
         return super().match_prefix(params)
 
+    def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        # A finished request's insert and the lock release after it (SGLang's
+        # `release_kv_cache`) let its path go: the records learn of it until `on_release`.
+        self.tree_core.releasing = None
+        if req.finished():
+            self.tree_core.releasing = ReleasingRequest(
+                min(up_to, len(req.full_untruncated_fill_ids)),
+                self.page_size,
+                req.cached_tokens > 0,
+                len(req.output_ids),
+            )
+        super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+
+    def evict_for_alloc(self, params: Any, **kwargs: Any) -> Any:
+        # SGLang's allocation walk runs to a target, past the tokens it names; those
+        # are what partial eviction frees (`KVPlugTreeCore.split_victim`)
+        self.tree_core.evict_goal = params.num_tokens
+        try:
+            return super().evict_for_alloc(params, **kwargs)
+        finally:
+            self.tree_core.evict_goal = None
+
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        self.tree_core.releasing = None
         super().on_release(req, checkpointed=checkpointed)
         if req.finished() and not getattr(req, "kvplug_counted", False):
             req.kvplug_counted = True  # a request is released once per retraction too

@@ -8,9 +8,11 @@ state SGLang 0.5.23 evicts, so one kvplug policy decides for all of them.
 
 - its device-eviction walk takes each victim from the kvplug tree core's eviction core
   (`KVPlugTreeCore.next_victim`: the policy's lowest-ranked evictable leaf) instead of
-  building a heap of every leaf per eviction call;
+  building a heap of every leaf per eviction call, and, under a policy that values
+  position, frees only the tail pages it still needs of it (`split_victim`);
 - its lock walks report the nodes whose lock count leaves or reaches 0 (`reclaim`,
-  `release`), the latter root first;
+  `release`), the latter root first, each learning what the finished request releasing
+  it knew (`kvplug.sglang.tree_core.ReleasingRequest`);
 - freeing a node's device KV drops its record, unless the host tier keeps a copy
   (SGLang's HiCache): then the node is *demoted* and joins the tree core's host ranking
   with its hits; a load-back (`commit_hicache_transfer`) returns it to the device
@@ -77,7 +79,10 @@ class KVPlugFullComponent(FullComponent):
                 freed.append(record)
             cur = cur.parent
         release = self.tree_core.eviction.release
+        releasing, page_size = self.tree_core.releasing, self.tree_core.page_size
         for record in reversed(freed):  # root first: the order SGLang stamped them
+            if releasing is not None:  # a finished request lets its path go
+                releasing.stamp(record, page_size)
             release(record)
 
     def evict_component(
@@ -131,7 +136,8 @@ class KVPlugFullComponent(FullComponent):
     def _evict_device_next_node(
         self, tracker: Any, device_frees: Any, host_frees: Any, cache_actions: Any
     ) -> Any:
-        if tracker[self.component_type] >= self._evict_device_request_cnt:
+        tracker_goal = self._evict_device_request_cnt
+        if tracker[self.component_type] >= tracker_goal:
             return None
         victim = self.tree_core.next_victim()
         named = self._evict_device_named
@@ -147,6 +153,13 @@ class KVPlugFullComponent(FullComponent):
         assert victim in self.tree_core.evictable_device_leaves, (
             f"kvplug named node {victim.id}, which SGLang cannot evict"
         )
+        tree = self.tree_core
+        if tree.splits_victims:
+            goal = tree.evict_goal if tree.evict_goal is not None else tracker_goal
+            page = tree.page_size
+            needed = -(-(goal - tracker[self.component_type]) // page) * page
+            if 0 < needed < len(victim.key):
+                tree.split_victim(victim, needed, cache_actions)
         named.add(victim.id)
         return victim.id
 

@@ -13,6 +13,7 @@ What the tree tells the core, and where:
 | a node is added (insert) | `insert` below its parent's record; `release` | `_add_new_node` |
 | a node is split | `split`: the new upper node takes the lower's place | `_split_node` |
 | a request counts a hit on a node | `hit` | `_inc_hit_count_and_check` |
+| ... but not the leaf its insert creates | | `_insert_tail_step` |
 | an unlocked node is accessed | `reclaim`, `release` | `_touch_node`, `_match_post_processor` |
 | full-attention lock 0 -> 1 / 1 -> 0 | `reclaim` / `release` | `KVPlugFullComponent` |
 | a node's full-attention KV is freed | `remove` | `KVPlugFullComponent.evict_component` |
@@ -35,7 +36,32 @@ and released again (re-ranked) when SGLang stamps it while it is unlocked. kvplu
 insertions keeps the older place SGLang gives it: ``kvplug-lru`` evicts exactly as
 SGLang's ``lru`` (tested operation for operation). Other policies ignore touches and see
 each release, the moment SGLang considers the node used or let go.
-A node's ``depth`` is the page index of its last page (a split does not change it).
+Hits. SGLang's ``hit_count`` counts the requests whose insert passed a node, the one
+that created it included (it drives HiCache's write-through threshold); a reuse is every
+later one, so kvplug's `hit` skips the creating insert's count. Counting it would make
+every node look reused once and close every trial as a reuse.
+
+Value per byte. A node spans many pages and is evicted whole; what keeping it saves per
+page is the mean of its pages' values, and a page's value is affine in its position, so
+a node's ``depth`` is the page index at the middle of its span, not of its last page
+(which would price a long unique suffix as its deepest page). A split gives each part
+the middle of its own span.
+
+Partial eviction. SGLang frees a victim node whole, however few pages the allocation
+needs; kvplug's own cache evicts one block at a time from a chain's tail. Under a policy
+that values position (`values_position`: ``cost``, ``gdsf``), the kvplug component
+splits a victim leaf that spans more pages than the walk still needs (SGLang's own
+`_split_node`, as a match splits) and evicts the tail part only; the head stays cached,
+a leaf ranked on its own. Only where a split touches the full-attention component alone
+(no sliding-window, Mamba or HiCache state to split); ``lru`` keeps SGLang's whole-node
+order.
+
+What the request knew. When a finished request hands its KV to the tree (SGLang's
+``checkpoint_into_tree``, then the lock release), the records it releases learn what
+kvplug's own cache tells its policy at a release (`kvplug.policies.base`): the pages of
+that request after the node (``from_end``: 0 for its leaf), whether it reused the cache
+(SGLang's ``req.cached_tokens``), and how many tokens it generated.
+`KVPlugRadixCache` opens the `ReleasingRequest` and closes it at ``on_release``.
 
 Tiers (``--enable-hierarchical-cache``). SGLang's HiCache copies device KV to a host pool
 (write-through on hits, or write-back at eviction) and *demotes* a device leaf whose KV
@@ -89,10 +115,41 @@ FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
 RANKED_COMPONENTS = (SWA, MAMBA)  # components whose state kvplug ranks in a `RankedSet`
 
 
+def span_depth(start: int, end: int, page_size: int) -> int:
+    """The page index at the middle of the tokens ``[start, end)``: the depth that prices
+    a node holding them at the mean value of its pages (see the module doc)."""
+    first = start // page_size
+    last = max((end + page_size - 1) // page_size - 1, first)
+    return (first + last) // 2
+
+
+def last_page(end: int, page_size: int) -> int:
+    """The index of the page holding the token before `end`."""
+    return max((end + page_size - 1) // page_size - 1, 0)
+
+
+class ReleasingRequest:
+    """A finished request while SGLang hands its KV to the tree: what each record it
+    releases learns about it (see the module doc)."""
+
+    __slots__ = ("last_page", "hit", "output")
+
+    def __init__(self, tokens: int, page_size: int, hit: bool, output: int) -> None:
+        self.last_page = last_page(tokens, page_size)
+        self.hit = hit
+        self.output = output
+
+    def stamp(self, record: NodeRecord, page_size: int) -> None:
+        """`record`, on this request's path, is released by it."""
+        record.from_end = max(self.last_page - last_page(record.end, page_size), 0)
+        record.request_hit = self.hit
+        record.request_output = self.output
+
+
 class NodeRecord:
     """One tree node's record while it holds full-attention KV on the device: a
     `kvplug.core.eviction.TreeNode`. ``end`` is the token count from the root to the
-    node's last token."""
+    node's last token; ``depth`` the middle page of its span (`span_depth`)."""
 
     __slots__ = (
         "serial", "key", "depth", "hits", "from_end", "request_hit", "request_output",
@@ -105,7 +162,7 @@ class NodeRecord:
         self.node = node
         self.key = key
         self.end = end
-        self.depth = max((end + page_size - 1) // page_size - 1, 0)
+        self.depth = span_depth(end - len(node.key), end, page_size)
         self.hits = 0
         self.from_end = 0
         self.request_hit = False
@@ -137,6 +194,9 @@ class KVPlugTreeCoreMixin:
             MAMBA: max(getattr(mamba_pool, "size", 0), 1),
         }
         self.stats = CacheStats()  # kept across `reset`: counters since start-up
+        self.releasing: ReleasingRequest | None = None  # set by `KVPlugRadixCache`
+        self._creating: Any = None  # the leaf an insert creates, while it ends
+        self.evict_goal: int | None = None  # tokens an allocation's eviction must free
         with kvplug_tree_core_building():  # SGLang's constructor builds the strategy
             super().__init__(params, components)  # type: ignore[call-arg]
 
@@ -149,6 +209,13 @@ class KVPlugTreeCoreMixin:
                 "--radix-eviction-policy kvplug-<name>"
             )
         self.eviction = EvictionCore(strategy.new_policy(self.page_size, self.num_pages))
+        # partial eviction (module doc), where a split touches the full component only
+        self.splits_victims = (
+            self.eviction.policy.values_position
+            and tuple(self.component_types) == (FULL,)  # type: ignore[attr-defined]
+            and not self.enable_hicache  # type: ignore[attr-defined]
+        )
+        self._splitting_victim = False
         self.records = {}
         self.host: RankedSet[StateRecord] | None = None  # built at the first demotion
         self.host_records: dict[int, StateRecord] = {}  # node id -> host-only member
@@ -180,6 +247,8 @@ class KVPlugTreeCoreMixin:
         record = self._new_record(node, parent_record, end)
         self.eviction.insert(record, parent_record)
         self.eviction.touch(record)  # SGLang stamps a new node as accessed
+        if self.releasing is not None:  # inserted by a finished request: on its path
+            self.releasing.stamp(record, self.page_size)
         self.eviction.release(record)  # SGLang adds it unlocked; a lock may follow
         return node
 
@@ -198,11 +267,31 @@ class KVPlugTreeCoreMixin:
             return result
         parent = live_parent(lower)
         upper = self._new_record(upper_node, parent, lower.end - len(child.key))  # type: ignore[arg-type]
+        lower.depth = span_depth(upper.end, lower.end, self.page_size)
+        # the upper part was released with the lower, by the same request
+        upper.from_end = (
+            lower.from_end
+            + last_page(lower.end, self.page_size)
+            - last_page(upper.end, self.page_size)
+        )
+        upper.request_hit, upper.request_output = lower.request_hit, lower.request_output
         self.eviction.touch(upper)  # stamped at its creation, before the lower part
         self.eviction.split(upper, lower)
         self._sync_held(upper_node)
-        self._accessed(lower)  # SGLang stamps the lower part as accessed now
+        if not self._splitting_victim:  # the lower part of a victim keeps its rank
+            self._accessed(lower)  # SGLang stamps the lower part as accessed now
         return result
+
+    def split_victim(self, node: Any, tokens: int, cache_actions: list[Any]) -> None:
+        """Split the victim leaf `node` so that it keeps its last `tokens` tokens (whole
+        pages) and a new parent the rest: the eviction then frees only those."""
+        self._splitting_victim = True
+        try:
+            _, action = self._split_node(node.key, node, len(node.key) - tokens)
+        finally:
+            self._splitting_victim = False
+        if action is not None:
+            cache_actions.append(action)
 
     def _touch_node(self, node: Any) -> None:
         super()._touch_node(node)  # type: ignore[misc]
@@ -244,7 +333,16 @@ class KVPlugTreeCoreMixin:
             self.eviction.reclaim(record)
             self.eviction.release(record)
 
+    def _insert_tail_step(self, state: Any) -> None:
+        self._creating = state.target_node if state.is_new_leaf else None
+        try:
+            super()._insert_tail_step(state)  # type: ignore[misc]
+        finally:
+            self._creating = None
+
     def _inc_hit_count_and_check(self, node: Any) -> bool:
+        if node is self._creating:  # SGLang counts an insert, not a reuse
+            return super()._inc_hit_count_and_check(node)  # type: ignore[misc]
         record = self.records.get(node.id)
         if record is not None:
             self.eviction.hit(record)
@@ -295,6 +393,8 @@ class KVPlugTreeCoreMixin:
         self.eviction.touch(record)
         self._sync_held(node)
         if node.component_data[FULL].lock_ref == 0:
+            if self.releasing is not None:  # re-inserted by a finished request
+                self.releasing.stamp(record, self.page_size)
             self.eviction.release(record)
 
     def _sync_held(self, node: Any) -> None:
@@ -388,11 +488,21 @@ class KVPlugTreeCoreMixin:
         parent: Any = None
         if node.parent is not None:
             parent = self.records.get(node.parent.id) or self.host_records.get(node.parent.id)
-        start = 0 if parent is None else (parent.depth + 1) * self.page_size
-        if isinstance(parent, NodeRecord):
-            start = parent.end
-        depth = max((start + len(node.key) + self.page_size - 1) // self.page_size - 1, 0)
+        start = self._start(node)
+        depth = span_depth(start, start + len(node.key), self.page_size)
         return self._prefix_key(node, parent), depth
+
+    def _start(self, node: Any) -> int:
+        """The token count from the root to `node`'s first token: its parent's ``end``
+        where the parent has a device record, else the sum of the keys above it."""
+        start, cur, root = 0, node.parent, self.root_node
+        while cur is not None and cur is not root:
+            record = self.records.get(cur.id)
+            if record is not None:
+                return start + record.end
+            start += len(cur.key)
+            cur = cur.parent
+        return start
 
     def check_invariants(self) -> None:
         """Raise AssertionError if a module-level invariant does not hold."""
@@ -408,6 +518,9 @@ class KVPlugTreeCoreMixin:
             if record is None:
                 continue
             assert record.node is node
+            assert record.end == self._start(node) + len(node.key), f"node {node.id}: end"
+            span = span_depth(record.end - len(node.key), record.end, self.page_size)
+            assert record.depth == span, f"node {node.id}: depth is not its span's middle"
             assert record.evictable == (node.component_data[FULL].lock_ref == 0), node.id
             parent = live_parent(record)
             parent_node = None if parent is None else parent.node

@@ -28,7 +28,10 @@ SGLANG = EngineSupport(
 PRIVATE_NAMES = (
     ("sglang.srt.mem_cache.utils", "_EVICTION_POLICY_FACTORIES"),
     ("sglang.srt.mem_cache.unified_cache.unified_tree_core", "UnifiedTreeCore._add_new_node"),
+    # a finished request's hand-over to the tree (what its released nodes learn of it)
+    ("sglang.srt.mem_cache.unified_radix_cache", "UnifiedRadixCache.checkpoint_into_tree"),
     ("sglang.srt.mem_cache.unified_cache.unified_tree_core", "UnifiedTreeCore._split_node"),
+    ("sglang.srt.mem_cache.unified_cache.unified_tree_core", "UnifiedTreeCore._insert_tail_step"),
     (
         "sglang.srt.mem_cache.unified_cache.unified_tree_core",
         "UnifiedTreeCore._inc_hit_count_and_check",

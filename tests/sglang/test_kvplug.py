@@ -136,3 +136,69 @@ def test_candidates_stay_sglang_leaves_under_every_policy(
     capacity: int, policy: str, prefixes: list[list[int]], ops: list[tuple]
 ) -> None:
     run_ops([SGLangKVPlugArm(capacity, policy)], prefixes, ops)
+
+
+def learned(arm: SGLangKVPlugArm) -> dict[int, tuple[int, bool, int, int]]:
+    """Per node, by the token count its path ends at: what its record learned at its
+    last release (from_end, request_hit, request_output) and its depth."""
+    return {
+        r.end: (r.from_end, r.request_hit, r.request_output, r.depth)
+        for r in arm.cache.tree_core.records.values()
+    }
+
+
+def test_released_nodes_learn_what_their_request_knew() -> None:
+    """A finished request's path learns, at its release, what kvplug's own cache tells
+    its policy: pages of the request after each node (0 for its leaf), whether it reused
+    the cache, how many tokens it generated; each node's depth is its span's middle."""
+    arm = SGLangKVPlugArm(64, "cost")
+    prefix = list(range(1, 9))
+    assert sequential(arm, 1, prefix) == 0
+    assert learned(arm) == {8: (0, False, 0, 3)}
+    prompt = [*prefix, 9, 10, 11, 12, next(fresh)]
+    assert arm.admit(2, prompt, len(prompt) - 1) == 8
+    assert arm.grow(2, [next(fresh) for _ in range(3)])
+    arm.finish(2)
+    arm.cache.tree_core.check_invariants()
+    # the request holds 15 pages (its last is 14); SGLang splits the leaf where its
+    # prompt ends: the prefix [0, 8), the prompt's tail [8, 13), the output [13, 15)
+    assert learned(arm) == {8: (7, True, 3, 3), 13: (2, True, 3, 10), 15: (0, True, 3, 13)}
+
+
+def test_cost_prices_a_node_by_the_middle_of_its_span() -> None:
+    """Two never-reused leaves of the same class that end at the same page: X holds
+    pages 8-9 below a shared prefix, Y pages 1-9 below another. Kept per page, Y's pages
+    save less (most sit shallower), so ``cost`` takes its victim from Y (its last two
+    pages, all the allocation needs); valued at its last page, Y would tie with X, and
+    X, released first, would go."""
+    arm = SGLangKVPlugArm(20, "cost", policy_config={"tokens_per_block": 512})
+    p, q = list(range(1, 9)), [40]
+    x, y = [*p, 9, 10], [*q, *range(41, 50)]
+    for req_id, prompt in enumerate([p, q]):
+        assert sequential(arm, req_id, prompt) == 0
+    # both run before either finishes: each hit is counted (and learned from) before
+    # either leaf is ranked, so the two are ranked with the same odds
+    assert arm.admit(2, [*x, next(fresh)], len(x)) == len(p)
+    assert arm.admit(3, [*y, next(fresh)], len(y)) == len(q)
+    arm.finish(2)
+    arm.finish(3)
+    assert sequential(arm, 4, [60, 61]) == 0  # needs two pages: one leaf goes
+    arm.cache.tree_core.check_invariants()
+    assert arm.admit(5, [*x, next(fresh)], 1) == len(x)
+    arm.finish(5)
+    assert arm.admit(6, [*y, next(fresh)], 1) == len(y) - 2
+
+
+@pytest.mark.parametrize(("policy", "kept"), [("lru", 0), ("cost", 7), ("gdsf", 7)])
+def test_a_victim_node_loses_only_the_pages_needed(policy: str, kept: int) -> None:
+    """A 10-page leaf is the victim of a 3-page allocation: a policy that values
+    position frees its last 3 pages and keeps the 7 before them cached (kvplug's own
+    cache evicts a chain from its tail, a block at a time); ``lru`` frees the node whole,
+    as SGLang does."""
+    arm = SGLangKVPlugArm(10, policy)
+    long = list(range(1, 11))
+    assert sequential(arm, 1, long) == 0
+    assert sequential(arm, 2, [50, 51, 52]) == 0
+    arm.cache.tree_core.check_invariants()
+    assert arm.cache.evictable_size() == kept + 3
+    assert arm.admit(3, [*long, next(fresh)], 1) == kept

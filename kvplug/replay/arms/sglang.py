@@ -201,6 +201,7 @@ class SGLangStockArm(CacheArm):
             req = Req(str(req_id), "", array("q", prompt), SamplingParams())
             req.init_next_round_input(self.cache)
             hits = req.prefix_len
+            req.cached_tokens = hits  # as SGLang's batch counts it when the prefill runs
             held = max(hits, compute)  # hits past `compute` are adopted with no new slots
             req.lock = self.cache.lock(req.last_node)
             if not self._fits(held - hits) or not self.req_to_token_pool.available_size():
