@@ -90,13 +90,15 @@ class KVPlugRadixCache(UnifiedRadixCache):
     def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         # A finished request's insert and the lock release after it (SGLang's
         # `release_kv_cache`) let its path go: the records learn of it until `on_release`.
+        # Its output is its ``output_ids``, or ``kvplug_output_tokens`` where a caller
+        # whose tokens are not model tokens sets it (the replay: a unit is a trace block).
         self.tree_core.releasing = None
         if req.finished():
             self.tree_core.releasing = ReleasingRequest(
                 min(up_to, len(req.full_untruncated_fill_ids)),
                 self.page_size,
                 req.cached_tokens > 0,
-                len(req.output_ids),
+                getattr(req, "kvplug_output_tokens", None) or len(req.output_ids),
             )
         super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
 

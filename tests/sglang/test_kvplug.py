@@ -163,6 +163,10 @@ def test_released_nodes_learn_what_their_request_knew() -> None:
     # the request holds 15 pages (its last is 14); SGLang splits the leaf where its
     # prompt ends: the prefix [0, 8), the prompt's tail [8, 13), the output [13, 15)
     assert learned(arm) == {8: (7, True, 3, 3), 13: (2, True, 3, 10), 15: (0, True, 3, 13)}
+    # a caller whose units stand for many tokens (the replay) names the output itself
+    assert arm.admit(3, [*prefix, next(fresh)], len(prefix)) == len(prefix)
+    arm.finish(3, output_tokens=700)
+    assert learned(arm)[8] == (0, True, 700, 3)  # its whole request, this time
 
 
 def test_cost_prices_a_node_by_the_middle_of_its_span() -> None:

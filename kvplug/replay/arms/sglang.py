@@ -38,8 +38,11 @@ How each arm call maps to what SGLang's scheduler does:
 - `finish`: the request finishes by length (``finished_reason = FINISH_LENGTH``), then
   `release_kv_cache(req, tree_cache, checkpoint=True)`, the scheduler's own release: the
   tree inserts ``origin_input_ids + output_ids`` up to the slots the request holds,
-  frees the duplicate slots, moves and drops the lock, and frees the row. `output_tokens`
-  is not used: what is inserted is what the request holds.
+  frees the duplicate slots, moves and drops the lock, and frees the row. What is
+  inserted is what the request holds; `output_tokens` only tells a kvplug cache how many
+  tokens the request generated (``req.kvplug_output_tokens``: a unit is a trace block,
+  so ``output_ids`` undercounts them), as kvplug's own cache is told. SGLang's own
+  policies do not read it.
 - `stats`: from SGLang's KV cache events. ``evictions`` counts `BlockRemoved` units;
   ``churn`` counts removed units that no successful `admit` matched since their
   `BlockStored` (the events' parent-linked hash chains identify the matched units).
@@ -255,6 +258,8 @@ class SGLangStockArm(CacheArm):
             # As `Req.update_finish_state` marks a request that reached its length.
             req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
             req.finished_len = len(req.output_ids)
+            # a unit is a trace block: kvplug's cache reads the trace's output length
+            req.kvplug_output_tokens = output_tokens
             release_kv_cache(req, self.cache, checkpoint=True)
         self._events.drain(self.cache)
 
