@@ -79,10 +79,10 @@ class KVPlugFullComponent(FullComponent):
                 freed.append(record)
             cur = cur.parent
         release = self.tree_core.eviction.release
-        releasing, page_size = self.tree_core.releasing, self.tree_core.page_size
+        releasing = self.tree_core.releasing
         for record in reversed(freed):  # root first: the order SGLang stamped them
             if releasing is not None:  # a finished request lets its path go
-                releasing.stamp(record, page_size)
+                releasing.stamp(record)
             release(record)
 
     def evict_component(

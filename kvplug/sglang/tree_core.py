@@ -115,33 +115,33 @@ FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
 RANKED_COMPONENTS = (SWA, MAMBA)  # components whose state kvplug ranks in a `RankedSet`
 
 
+def last_page(end: int, page_size: int) -> int:
+    """The index of the page holding the token before `end`."""
+    return max((end + page_size - 1) // page_size - 1, 0)
+
+
 def span_depth(start: int, end: int, page_size: int) -> int:
     """The page index at the middle of the tokens ``[start, end)``: the depth that prices
     a node holding them at the mean value of its pages (see the module doc)."""
     first = start // page_size
-    last = max((end + page_size - 1) // page_size - 1, first)
-    return (first + last) // 2
-
-
-def last_page(end: int, page_size: int) -> int:
-    """The index of the page holding the token before `end`."""
-    return max((end + page_size - 1) // page_size - 1, 0)
+    return (first + max(last_page(end, page_size), first)) // 2
 
 
 class ReleasingRequest:
     """A finished request while SGLang hands its KV to the tree: what each record it
     releases learns about it (see the module doc)."""
 
-    __slots__ = ("last_page", "hit", "output")
+    __slots__ = ("page_size", "last_page", "hit", "output")
 
     def __init__(self, tokens: int, page_size: int, hit: bool, output: int) -> None:
+        self.page_size = page_size
         self.last_page = last_page(tokens, page_size)
         self.hit = hit
         self.output = output
 
-    def stamp(self, record: NodeRecord, page_size: int) -> None:
+    def stamp(self, record: NodeRecord) -> None:
         """`record`, on this request's path, is released by it."""
-        record.from_end = max(self.last_page - last_page(record.end, page_size), 0)
+        record.from_end = max(self.last_page - last_page(record.end, self.page_size), 0)
         record.request_hit = self.hit
         record.request_output = self.output
 
@@ -248,7 +248,7 @@ class KVPlugTreeCoreMixin:
         self.eviction.insert(record, parent_record)
         self.eviction.touch(record)  # SGLang stamps a new node as accessed
         if self.releasing is not None:  # inserted by a finished request: on its path
-            self.releasing.stamp(record, self.page_size)
+            self.releasing.stamp(record)
         self.eviction.release(record)  # SGLang adds it unlocked; a lock may follow
         return node
 
@@ -394,7 +394,7 @@ class KVPlugTreeCoreMixin:
         self._sync_held(node)
         if node.component_data[FULL].lock_ref == 0:
             if self.releasing is not None:  # re-inserted by a finished request
-                self.releasing.stamp(record, self.page_size)
+                self.releasing.stamp(record)
             self.eviction.release(record)
 
     def _sync_held(self, node: Any) -> None:
