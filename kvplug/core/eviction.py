@@ -35,6 +35,7 @@ from heapq import heappop, heappush
 from typing import Generic, Protocol, TypeVar
 
 from kvplug.policies.base import EvictionPolicy, RankedPolicy
+from kvplug.policies.entry import SERIAL_MASK
 from kvplug.policies.node import CachedNode
 
 
@@ -81,6 +82,26 @@ class EvictionCore(Generic[N]):
             if parent.cached_children == 1 and parent.evictable:
                 self.policy.discard_candidate(parent)
         self.policy.insert(node)
+
+    def insert_chain(self, nodes: Sequence[N], parent: N | None) -> None:
+        """`insert` for each of `nodes`, in order, each below the one before it and the
+        first below `parent`: one request's new blocks, cached together."""
+        if not nodes:
+            return
+        policy = self.policy
+        if parent is not None:
+            parent.cached_children += 1
+            if parent.cached_children == 1 and parent.evictable:
+                policy.discard_candidate(parent)
+        above = parent
+        for node in nodes:
+            node.evictable = False
+            node.cached_children = 1  # the next node; the last one's is set below
+            node.parent = above
+            node.parent_serial = -1 if above is None else above.serial
+            above = node
+        nodes[-1].cached_children = 0
+        policy.insert_n(nodes)
 
     def release(self, node: N) -> None:
         """Nothing holds `node` any more and no step can touch it: rank it and offer it."""
@@ -173,6 +194,61 @@ class EvictionCore(Generic[N]):
         self.num_evictable -= 1
         self._leave(node)
         return node  # type: ignore[return-value]
+
+    def pop_victims(self, n: int) -> list[N]:
+        """`pop_victim` up to `n` times (fewer once no candidate is left): the victims in
+        order, each removed, in one call.
+
+        For a `RankedPolicy` the loop works on the policy's candidate heap directly
+        (`RankedPolicy.candidate_heap`) and hands the victims to `remove_victims` at the
+        end. A parent left without children whose entry is below every heap entry is
+        the next victim, so it is taken at once instead of being pushed and popped: a
+        request's chain, ranked tail lowest, goes in one run. The victims are exactly
+        those of `n` `pop_victim` calls."""
+        policy = self.policy
+        if not isinstance(policy, RankedPolicy):
+            victims: list[N] = []
+            while len(victims) < n:
+                node = self.pop_victim()
+                if node is None:
+                    break
+                victims.append(node)
+            return victims
+        heap, candidates, ranks = policy.candidate_heap()
+        victims = []
+        taken = 0
+        following: N | None = None  # a parent known to be the next victim
+        while taken < n:
+            node = following
+            if node is None:
+                while heap:
+                    entry = heappop(heap)
+                    serial = entry & SERIAL_MASK
+                    found = candidates.get(serial)
+                    if found is not None and ranks[serial] == entry:  # current
+                        del candidates[serial]
+                        node = found  # type: ignore[assignment]
+                        break
+                if node is None:
+                    break
+            else:
+                following = None
+            node.evictable = False
+            parent = node.parent
+            if parent is not None and parent.serial == node.parent_serial:
+                parent.cached_children -= 1
+                if parent.cached_children == 0 and parent.evictable:
+                    entry = ranks[parent.serial]
+                    if taken + 1 < n and (not heap or entry < heap[0]):
+                        following = parent  # type: ignore[assignment]
+                    else:  # policy.add_candidate(parent), inlined
+                        candidates[parent.serial] = parent
+                        heappush(heap, entry)
+            victims.append(node)
+            taken += 1
+        self.num_evictable -= taken
+        policy.remove_victims(victims)
+        return victims
 
     def _leave(self, node: N) -> None:
         """`node`, no longer evictable, leaves the cache: its parent may become a leaf."""

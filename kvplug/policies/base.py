@@ -70,6 +70,12 @@ class EvictionPolicy(ABC):
     def insert(self, node: CachedNode) -> None:
         """`node` was just cached (held by the request that wrote it)."""
 
+    def insert_n(self, nodes: Sequence[CachedNode]) -> None:
+        """`insert` for each of `nodes`, in order (one request's new blocks, cached
+        together). A policy may override this to do the same work with less per node."""
+        for node in nodes:
+            self.insert(node)
+
     def hit(self, node: CachedNode) -> None:
         """A lookup reused `node`."""
 
@@ -128,6 +134,14 @@ class EvictionPolicy(ABC):
         if node is not None:
             self.discard_candidate(node)
         return node
+
+    def remove_victims(self, nodes: Sequence[CachedNode]) -> None:
+        """Each of `nodes`, in order, was the policy's own next victim (taken with
+        `pop_first`, nothing released in between) and left the cache: `remove` for each,
+        as right after its `pop_first`. A policy may override this to do the same work
+        with less per node."""
+        for node in nodes:
+            self.remove(node)
 
     @abstractmethod
     def __len__(self) -> int:
@@ -190,6 +204,20 @@ class RankedPolicy(EvictionPolicy):
 
     def remove(self, node: CachedNode) -> None:
         self._rank.pop(node.serial, None)
+
+    def remove_victims(self, nodes: Sequence[CachedNode]) -> None:
+        remove = self.remove
+        for node in nodes:
+            self.chosen = node.serial  # as its pop_first left it
+            remove(node)
+
+    def candidate_heap(self) -> tuple[list[int], dict[int, CachedNode], dict[int, int]]:
+        """The candidate heap's parts, for the eviction core's batched eviction
+        (`kvplug.core.eviction.EvictionCore.pop_victims`), which pops and pushes entries
+        as `pop_first` and `add_candidate` would: the heap of entries, the candidates by
+        serial, and every ranked node's current entry by serial. Valid until the next
+        `discard_candidate` (which may rebuild the heap)."""
+        return self._heap, self._nodes, self._rank
 
     def first_candidate(self) -> CachedNode | None:
         """The next victim, or None if there is no candidate."""

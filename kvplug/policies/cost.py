@@ -118,6 +118,8 @@ class CostPolicy(RankedPolicy):
         # whether `rank` is this class's own (then `release_n` ranks a batch in one loop)
         own = type(self)
         self._own_rank = own.rank is CostPolicy.rank and own.credit is CostPolicy.credit
+        self._own_remove = own.remove is CostPolicy.remove
+        self._own_insert = own.insert is CostPolicy.insert
 
     def bind(self, block_size: int, num_blocks: int) -> None:
         self.value.bind(block_size)
@@ -147,8 +149,12 @@ class CostPolicy(RankedPolicy):
         """GreedyDual's credit for `node`, opening its class's trial."""
         return self._credits((node,))[0]
 
-    def _credits(self, nodes: Sequence[CachedNode]) -> list[float]:
-        """`credit` for each of `nodes`, in order: the hot path of every release.
+    def _credits(
+        self, nodes: Sequence[CachedNode], entries: dict[int, int] | None = None
+    ) -> list[float]:
+        """`credit` for each of `nodes`, in order: the hot path of every release. With
+        `entries`, each node's release entry (`release`'s) is written there instead, and
+        nothing is returned.
 
         `classify`, `reuses` and `reuse_probability` are inlined here and must stay in
         step with them. A class is computed as an int code, one per class (reused:
@@ -160,6 +166,8 @@ class CostPolicy(RankedPolicy):
         weight = self.frequency_weight
         reload = self.reload_value() if self._tiers_seen else None
         credits: list[float] = []
+        releases, inflation = self._releases, self.inflation
+        pack, from_bytes = DOUBLE.pack, int.from_bytes
         for node in nodes:
             serial, hits = node.serial, node.hits
             reuses = hits + credit_of.get(serial, 0) if credit_of else hits
@@ -181,7 +189,14 @@ class CostPolicy(RankedPolicy):
             value = by_depth[depth] if depth < deepest else self.value(node)
             if reload is not None and node.held_elsewhere and value > reload:
                 value = reload
-            credits.append((1 + weight * (hits if hits < 3 else 3)) * probability * value)
+            credit = (1 + weight * (hits if hits < 3 else 3)) * probability * value
+            if entries is None:
+                credits.append(credit)
+                continue
+            # make_entry(inflation + credit, next(releases), serial), inlined
+            bits = from_bytes(pack(inflation + credit + 0.0), "little")
+            key = bits ^ KEY_MASK if bits & SIGN_BIT else bits | SIGN_BIT
+            entries[serial] = key << RANK_SHIFT | next(releases) << WHOLE_ORDER_SHIFT | serial
         return credits
 
     def rank(self, node: CachedNode) -> float:
@@ -212,14 +227,7 @@ class CostPolicy(RankedPolicy):
         if not self._own_rank:  # a subclass ranks differently: one node at a time
             super().release_n(nodes)
             return
-        ranks, releases, inflation = self._rank, self._releases, self.inflation
-        pack, from_bytes = DOUBLE.pack, int.from_bytes
-        for node, credit in zip(nodes, self._credits(nodes), strict=True):
-            serial = node.serial
-            # make_entry(inflation + credit, next(releases), serial), inlined
-            bits = from_bytes(pack(inflation + credit + 0.0), "little")
-            key = bits ^ KEY_MASK if bits & SIGN_BIT else bits | SIGN_BIT
-            ranks[serial] = key << RANK_SHIFT | next(releases) << WHOLE_ORDER_SHIFT | serial
+        self._credits(nodes, self._rank)
 
     def insert(self, node: CachedNode) -> None:
         ghost = self._ghosts.pop(node.key, None)
@@ -227,6 +235,24 @@ class CostPolicy(RankedPolicy):
             hits, code = ghost >> 10, ghost & 1023
             self._close(code, reused=True)
             self._credit[node.serial] = hits + 1
+
+    def insert_n(self, nodes: Sequence[CachedNode]) -> None:
+        if self._own_insert:
+            self._ghosts_return(nodes)
+        else:  # a subclass inserts differently: one node at a time
+            super().insert_n(nodes)
+
+    def _ghosts_return(self, nodes: Sequence[CachedNode]) -> None:
+        """`CostPolicy.insert` for each of `nodes`, in order, in one loop."""
+        ghosts = self._ghosts
+        if not ghosts:
+            return
+        forget = ghosts.pop
+        for node in nodes:
+            ghost = forget(node.key, None)
+            if ghost is not None:
+                self._close(ghost & 1023, reused=True)
+                self._credit[node.serial] = (ghost >> 10) + 1
 
     def hit(self, node: CachedNode) -> None:
         code = self._trial.pop(node.serial, None)
@@ -253,6 +279,35 @@ class CostPolicy(RankedPolicy):
                 self._close(old & 1023, reused=False)
         if self._credit:
             self._credit.pop(serial, None)
+
+    def remove_victims(self, nodes: Sequence[CachedNode]) -> None:
+        if not self._own_remove:  # a subclass removes differently: one node at a time
+            super().remove_victims(nodes)
+            return
+        # `remove` for each victim (each was `chosen`), inlined
+        ranks, trials, credits, ghosts = self._rank, self._trial, self._credit, self._ghosts
+        tried, probability = self._tried, self._probability
+        capacity = self._ghost_capacity
+        top = self._inflation_key
+        for node in nodes:
+            serial = node.serial
+            ranked = ranks.pop(serial, None)
+            if ranked is not None and ranked >> RANK_SHIFT > top:
+                top = ranked >> RANK_SHIFT
+            code = trials.pop(serial, None)
+            if code is not None:
+                ghosts[node.key] = (node.hits + credits.get(serial, 0)) << 10 | code
+                while len(ghosts) > capacity:
+                    old = ghosts.popitem(last=False)[1] & 1023
+                    tried[old] += 1  # _close(old, reused=False)
+                    probability.pop(old, None)
+            if credits:
+                credits.pop(serial, None)
+        if top > self._inflation_key:
+            self._inflation_key = top
+            self.inflation = key_rank(top)
+        if nodes:
+            self.chosen = nodes[-1].serial
 
     def _close(self, code: int, reused: bool) -> None:
         self._tried[code] += 1

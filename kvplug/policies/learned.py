@@ -24,9 +24,12 @@ shadows' scores and the class table.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvplug.policies.base import RankedPolicy
 from kvplug.policies.cost import CostPolicy
+from kvplug.policies.entry import make_entry
 from kvplug.policies.shadow import ShadowCache, sampled
 
 if TYPE_CHECKING:
@@ -89,6 +92,39 @@ class LearnedPolicy(CostPolicy):
         # release order: never below an earlier LRU-like rank, though the mean moves
         self._lru_rank = max(self._lru_rank, self.inflation + self._mean_credit)
         return self._lru_rank
+
+    def release_n(self, nodes: Sequence[CachedNode]) -> None:
+        """`rank` for each of `nodes`, in order, with the credits computed in one pass
+        (nothing a credit reads changes in between: the shadows only record)."""
+        own = type(self)
+        if own.rank is not LearnedPolicy.rank or own.credit is not CostPolicy.credit:
+            RankedPolicy.release_n(self, nodes)
+            return
+        ranks, releases, mask = self._rank, self._releases, (1 << self.sample_shift) - 1
+        inflation, mean = self.inflation, self._mean_credit
+        for node, credit in zip(nodes, self._credits(nodes), strict=True):
+            mean += (credit - mean) / 1024
+            key = node.key
+            if key[0] & mask == 0:  # sampled(key, self.sample_shift)
+                self._learned.release(key, credit)
+                self._lru.release(key, 0.0)
+            if self.use_learned:
+                rank = inflation + credit
+            else:
+                self._lru_rank = rank = max(self._lru_rank, inflation + mean)
+            serial = node.serial
+            ranks[serial] = make_entry(rank, next(releases), serial)
+        self._mean_credit = mean
+
+    def insert_n(self, nodes: Sequence[CachedNode]) -> None:
+        """`insert` for each of `nodes`: the ghosts' returns, then the shadows' accesses
+        (neither reads what the other changes)."""
+        if type(self).insert is not LearnedPolicy.insert:
+            RankedPolicy.insert_n(self, nodes)
+            return
+        self._ghosts_return(nodes)
+        for node in nodes:
+            self._shadow_access(node)
 
     def tier_changed(self, node: CachedNode, evictable: bool) -> None:
         if self.use_learned:  # in release order, a tier changes nothing

@@ -254,18 +254,21 @@ class KVPlugBlockPool(BlockPool):
                 parent = self._slots[before.block_id]
                 if canonical is not None:
                     parent = canonical(parent)
-        for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i]
-            if block.is_null or block._block_hash is None:
-                parent = None
-                continue
-            record = self._record(block, parent)
-            if not tree:
-                parent = None
-            elif canonical is not None:
-                parent = canonical(record)
-            else:
-                parent = record
+        if tree and canonical is None:
+            self._record_chain(blocks, num_cached_blocks, num_full_blocks, parent)
+        else:
+            for i in range(num_cached_blocks, num_full_blocks):
+                block = blocks[i]
+                if block.is_null or block._block_hash is None:
+                    parent = None
+                    continue
+                record = self._record(block, parent)
+                if not tree:
+                    parent = None
+                elif canonical is not None:
+                    parent = canonical(record)
+                else:
+                    parent = record
         if rules is not None:
             rules.on_cached(
                 request, blocks, num_cached_blocks, num_full_blocks, block_size,
@@ -456,27 +459,24 @@ class KVPlugBlockPool(BlockPool):
     def evict_n(self, n: int) -> list[KVCacheBlock]:
         """`evict_next` `n` times (the queue holds that many cached blocks): the eviction
         core's victims in order, forgotten. Without a hybrid model's rules, the core
-        removes each victim as it names it (`EvictionCore.pop_victim`)."""
+        removes the victims as it names them (`EvictionCore.pop_victims`)."""
         if self.rules is not None:
             taken: list[KVCacheBlock] = []
             for _ in range(n):
                 taken.append(self.evict_next(taken))
             return taken
-        pop_victim, keys = self.eviction.pop_victim, self._keys
+        keys = self._keys
         victims: list[KVCacheBlock] = []
-        popped = 0
-        for _ in range(n):
-            record = pop_victim()
-            if record is None:  # unreachable while the child counts are exact
-                block = self.free_block_queue.any_cached(victims)
-                self.forget(block)
-            else:
-                block = record.block
-                record.serial = -1  # `_forget`, less the core's part, which is done
-                keys[block.block_id] = None
-                popped += 1
+        for record in self.eviction.pop_victims(n):
+            block = record.block
+            record.serial = -1  # `forget`, less the core's part, which is done
+            keys[block.block_id] = None
             victims.append(block)
-        self._num_keys -= popped
+        self._num_keys -= len(victims)
+        while len(victims) < n:  # unreachable while the child counts are exact
+            block = self.free_block_queue.any_cached(victims)
+            self.forget(block)
+            victims.append(block)
         return victims
 
     def iter_victims(self, gone: Sequence[KVCacheBlock] = ()) -> Iterator[KVCacheBlock]:
@@ -540,6 +540,44 @@ class KVPlugBlockPool(BlockPool):
         record.reset(next(self._serials), key, depth if depth > 0 else 0)
         self.eviction.insert(record, parent)
         return record
+
+    def _record_chain(
+        self, blocks: list[KVCacheBlock], start: int, end: int, parent: CachedBlock | None
+    ) -> None:
+        """`_record` for each block of ``blocks[start:end]`` that holds a hash, each below
+        the one before it (the first below `parent`; a block without a hash breaks the
+        chain), the new records inserted into the eviction core a run at a time
+        (`EvictionCore.insert_chain`): the same records and links in fewer calls."""
+        keys, slots, evicted, serials = self._keys, self._slots, self._evicted, self._serials
+        insert_chain = self.eviction.insert_chain
+        size = self.hash_block_size
+        run: list[CachedBlock] = []  # new records not inserted yet, each below the one before
+        recorded = churn = 0
+        for i in range(start, end):
+            block = blocks[i]
+            key = block._block_hash
+            if block.is_null or key is None:
+                insert_chain(run, parent)
+                run, parent = [], None
+                continue
+            block_id = block.block_id
+            if keys[block_id] is not None:  # recorded already, or under another hash
+                insert_chain(run, parent)
+                parent = self._record(block, run[-1] if run else parent)
+                run = []
+                continue
+            # `_adopt` and `_record`, inlined
+            if evicted.pop(key, 0) is None:
+                churn += 1
+            keys[block_id] = key
+            depth = (block._block_hash_num_tokens or size) // size - 1
+            record = slots[block_id]
+            record.reset(next(serials), key, depth if depth > 0 else 0)
+            run.append(record)
+            recorded += 1
+        insert_chain(run, parent)
+        self._num_keys += recorded
+        self.stats.churn += churn
 
     def forget(self, block: KVCacheBlock) -> None:
         """`block` no longer holds the hash the pool accounts for: it leaves the eviction

@@ -269,7 +269,7 @@ class _Node:
     def __init__(self, serial: int, depth: int, parent: _Node | None) -> None:
         self.serial, self.key, self.depth = serial, f"k{serial}".encode(), depth
         self.hits = self.from_end = self.request_output = 0
-        self.request_hit = False
+        self.request_hit = self.evictable = False
         self.up = parent
 
 
@@ -283,10 +283,12 @@ _CORE_OPS = st.lists(
 @given(ops=_CORE_OPS)
 @settings(deadline=None)
 def test_batched_paths_decide_as_one_at_a_time(name: str, ops) -> None:
-    """`EvictionCore.pop_victim` (the vLLM pool's eviction path) names and removes the
-    victims `next_victim` and `remove` would, and a batched release (`release_n`, which
-    `cost` ranks in one loop) ranks as releasing one node at a time, in order: two cores
-    driven by the same operations agree on every victim and every rank."""
+    """The vLLM pool's batched paths decide as one node at a time: `EvictionCore.pop_victims`
+    names and removes the victims `next_victim` and `remove` would, `insert_chain` links
+    and inserts as `insert` per node, and a batched release (`release_n`, which `cost` and
+    `learned` rank in one loop) ranks as releasing one node at a time, in order: two cores
+    driven by the same operations agree on every victim, every rank and what the policy
+    learned."""
     params = {"tokens_per_block": 16} if name in ("cost", "learned", "gdsf") else {}
     cores = [EvictionCore(make_policy(name, params)) for _ in range(2)]
     for core in cores:
@@ -299,6 +301,8 @@ def test_batched_paths_decide_as_one_at_a_time(name: str, ops) -> None:
             cached = [i for i, n in enumerate(nodes[0]) if n.serial >= 0]
             below = cached[pick % len(cached)] if cached and pick % 3 else None
             chain = []
+            new: list[_Node] = []  # core 0's, inserted as one chain (`insert_chain`)
+            top = None
             for _ in range(1 + pick % 4):
                 serial = next(serials)
                 for core, made in zip(cores, nodes, strict=True):
@@ -306,10 +310,16 @@ def test_batched_paths_decide_as_one_at_a_time(name: str, ops) -> None:
                     if parent is not None and (parent.serial < 0 or parent.evictable):
                         parent = None
                     node = _Node(serial, 0 if parent is None else parent.depth + 1, parent)
-                    core.insert(node, parent)
+                    if core is cores[0]:
+                        if not new:
+                            top = parent
+                        new.append(node)
+                    else:
+                        core.insert(node, parent)
                     made.append(node)
                 below = len(nodes[0]) - 1
                 chain.append(below)
+            cores[0].insert_chain(new, top)
             held.extend(chain)
         elif op == "release" and held:
             count = 1 + pick % min(len(held), 5)
@@ -328,14 +338,20 @@ def test_batched_paths_decide_as_one_at_a_time(name: str, ops) -> None:
                     core.reclaim(made[i])
                     core.hit(made[i])
                 held.append(i)
-        elif op == "evict":
-            expected = cores[1].next_victim()
-            victim = cores[0].pop_victim()
-            assert (victim is None) == (expected is None)
-            if victim is not None:
-                assert victim.serial == expected.serial
+        elif op == "evict":  # 1-4 victims at once (`pop_victims`) against one at a time
+            victims = cores[0].pop_victims(1 + pick % 4)
+            for victim in victims:
+                expected = cores[1].next_victim()
+                assert expected is not None and victim.serial == expected.serial
                 cores[1].remove(expected)
-                victim.serial = expected.serial = -1
+            if len(victims) < 1 + pick % 4:  # only when no candidate is left
+                assert cores[1].next_victim() is None
+            for victim in victims:
+                nodes[1][nodes[0].index(victim)].serial = victim.serial = -1
         a, b = cores[0].policy, cores[1].policy
         assert len(a) == len(b) and cores[0].num_evictable == cores[1].num_evictable
         assert a._rank == b._rank  # every rank and release order agrees
+        for learned in ("inflation", "_ghosts", "_trial", "_credit", "_tried", "_reused"):
+            assert getattr(a, learned, None) == getattr(b, learned, None), learned
+        for side in (a, b):
+            assert side.chosen == a.chosen
