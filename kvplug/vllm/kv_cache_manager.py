@@ -88,8 +88,11 @@ class KVPlugKVCacheManager(KVCacheManager):
                 if blocks:
                     end = manager.num_cached_block.get(request.request_id, 0)
                     pool.rules.anchor(blocks[max(end - window, 0) : end])
+        # its output is its output tokens, or ``kvplug_output_tokens`` where a caller
+        # whose tokens are not model tokens sets it (the replay: a unit is a trace block)
+        output = getattr(request, "kvplug_output_tokens", None)
         self.block_pool.releasing = Release(
-            output_tokens=request.num_output_tokens,
+            output_tokens=request.num_output_tokens if output is None else output,
             request_hit=matched_tokens(request) > 0,
         )
         try:

@@ -215,3 +215,19 @@ def test_lru_matches_vllm_on_the_bundled_trace(sequential: bool) -> None:
         )
     assert by_arm["lru"] == by_arm["vllm-stock"]
     assert any(evictions for _, _, _, evictions, *_ in by_arm["lru"])
+
+
+@pytest.mark.parametrize("output_tokens", [0, 300])
+def test_kvplug_arm_tells_the_pool_how_many_tokens_the_request_generated(output_tokens) -> None:
+    """A replay unit is a trace block, so a request's output units undercount its tokens:
+    the `vllm-kvplug:` arm passes the trace's output length to kvplug's manager, and the
+    released blocks' records carry it (a preempted request, told 0, carries 0)."""
+    arm = VLLMStockArm(8, make_policy("cost"))
+    prompt = [11, 12, 13, 14]
+    assert arm.admit(0, [*prompt, 900], len(prompt)) == 0
+    assert arm.grow(0, [901])  # one output unit
+    arm.finish(0, output_tokens)
+    pool = arm.manager.block_pool
+    released = [record for record, key in zip(pool._slots, pool._keys, strict=True) if key]
+    assert released and all(record.evictable for record in released)
+    assert {record.request_output for record in released} == {output_tokens}

@@ -20,7 +20,10 @@ How each arm call maps to what `vllm.v1.core.sched.scheduler.Scheduler` does:
   also hashes them); the scheduler then calls `allocate_slots(request, len(units))` for the
   running request. On None the scheduler would preempt; here the tokens are taken back off
   the request and False is returned.
-- `finish`: `KVCacheManager.free`, which releases the blocks tail first.
+- `finish`: `KVCacheManager.free`, which releases the blocks tail first. kvplug's manager
+  is told how many tokens the request generated (``request.kvplug_output_tokens``: a unit
+  is a trace block, so its output units undercount them), as kvplug's own cache is told;
+  vLLM's own manager does not read it.
 - `stats`: evictions from vLLM's KV cache events (`take_events`): with one full-attention
   group, ``block_size == hash_block_size`` and no KV connector, a `BlockRemoved` is only
   emitted when `BlockPool.get_new_blocks` reuses a cached block. Churn counts removed hashes that no
@@ -165,7 +168,9 @@ class VLLMStockArm(CacheArm):
         return True
 
     def finish(self, req_id: int, output_tokens: int = 0) -> None:
-        self.manager.free(self._requests.pop(req_id))
+        request = self._requests.pop(req_id)
+        request.kvplug_output_tokens = output_tokens  # a unit is a trace block, not a token
+        self.manager.free(request)
 
     def stats(self) -> ArmStats:
         self._drain_events()

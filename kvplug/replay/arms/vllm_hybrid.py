@@ -249,7 +249,9 @@ class VLLMHybridArm(CacheArm):
         return True
 
     def finish(self, req_id: int, output_tokens: int = 0) -> None:
-        self.manager.free(self._requests.pop(req_id))
+        request = self._requests.pop(req_id)
+        request.kvplug_output_tokens = output_tokens  # a unit is a trace block, not a token
+        self.manager.free(request)
 
     def stats(self) -> ArmStats:
         self._drain_events()
