@@ -162,6 +162,12 @@ class EvictionCore(Generic[N]):
         node.hits += 1
         self.policy.hit(node)
 
+    def hit_n(self, nodes: Sequence[N]) -> None:
+        """`hit` for each of `nodes`, in order (one request's prefix hits)."""
+        for node in nodes:
+            node.hits += 1
+        self.policy.hit_n(nodes)
+
     def held_elsewhere(self, node: N, held: bool = True) -> None:
         """Another tier now holds a copy of `node`'s KV (or, `held` False, no longer does):
         the policy is told, and may re-rank it if it is evictable (`tier_changed`)."""

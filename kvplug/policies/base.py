@@ -79,6 +79,12 @@ class EvictionPolicy(ABC):
     def hit(self, node: CachedNode) -> None:
         """A lookup reused `node`."""
 
+    def hit_n(self, nodes: Sequence[CachedNode]) -> None:
+        """`hit` for each of `nodes`, in order (one request's prefix hits). A policy may
+        override this to do the same work with less per node."""
+        for node in nodes:
+            self.hit(node)
+
     def release(self, node: CachedNode) -> None:
         """The last request holding `node` let go of it; it is now evictable.
 

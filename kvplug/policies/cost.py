@@ -120,6 +120,7 @@ class CostPolicy(RankedPolicy):
         self._own_rank = own.rank is CostPolicy.rank and own.credit is CostPolicy.credit
         self._own_remove = own.remove is CostPolicy.remove
         self._own_insert = own.insert is CostPolicy.insert
+        self._own_hit = own.hit is CostPolicy.hit
 
     def bind(self, block_size: int, num_blocks: int) -> None:
         self.value.bind(block_size)
@@ -258,6 +259,23 @@ class CostPolicy(RankedPolicy):
         code = self._trial.pop(node.serial, None)
         if code is not None:
             self._close(code, reused=True)
+
+    def hit_n(self, nodes: Sequence[CachedNode]) -> None:
+        if not self._own_hit:  # a subclass counts hits differently: one node at a time
+            super().hit_n(nodes)
+            return
+        trials, tried, reused, probability = (
+            self._trial,
+            self._tried,
+            self._reused,
+            self._probability,
+        )
+        for node in nodes:  # `hit`, inlined
+            code = trials.pop(node.serial, None)
+            if code is not None:
+                tried[code] += 1  # _close(code, reused=True)
+                reused[code] += 1
+                probability.pop(code, None)
 
     def remove(self, node: CachedNode) -> None:
         serial = node.serial

@@ -214,16 +214,17 @@ class KVPlugBlockPool(BlockPool):
                     copies.add(block.block_id)
             super().touch(blocks)
             return
-        keys, slots, hit, hits = self._keys, self._slots, self.eviction.hit, 0
-        copies = self._tier_copies
+        keys, slots, copies = self._keys, self._slots, self._tier_copies
+        hit: list[CachedBlock] = []
         for block in blocks:
             key = keys[block.block_id]
             if key is not None and key == block._block_hash:
-                hits += 1
-                hit(slots[block.block_id])
+                hit.append(slots[block.block_id])
                 if copies:
                     copies.discard(block.block_id)  # a use: ranked anew when released
-        self.stats.block_hits += hits
+        if hit:
+            self.eviction.hit_n(hit)
+            self.stats.block_hits += len(hit)
         if self.rules is not None:
             self.rules.on_touch(blocks)
         super().touch(blocks)

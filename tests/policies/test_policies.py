@@ -332,12 +332,15 @@ def test_batched_paths_decide_as_one_at_a_time(name: str, ops) -> None:
                 cores[1].release(nodes[1][i])
         elif op == "hit":
             evictable = [i for i, n in enumerate(nodes[0]) if n.serial >= 0 and n.evictable]
-            if evictable:
-                i = evictable[pick % len(evictable)]
-                for core, made in zip(cores, nodes, strict=True):
-                    core.reclaim(made[i])
-                    core.hit(made[i])
-                held.append(i)
+            if evictable:  # one lookup hits 1-3 nodes (`hit_n` against one at a time)
+                chosen = sorted({evictable[(pick + k) % len(evictable)] for k in range(3)})
+                chosen = chosen[: 1 + pick % 3]
+                for i in chosen:
+                    cores[0].reclaim(nodes[0][i])
+                    cores[1].reclaim(nodes[1][i])
+                    cores[1].hit(nodes[1][i])
+                cores[0].hit_n([nodes[0][i] for i in chosen])
+                held.extend(chosen)
         elif op == "evict":  # 1-4 victims at once (`pop_victims`) against one at a time
             victims = cores[0].pop_victims(1 + pick % 4)
             for victim in victims:
