@@ -60,12 +60,22 @@ def live_parent(node: TreeNode) -> TreeNode | None:
     return parent
 
 
+# what `EvictionCore.pop_victims` does itself on a `RankedPolicy`'s candidate heap
+_HEAP_METHODS = ("first_candidate", "pop_first", "add_candidate", "discard_candidate")
+
+
 class EvictionCore(Generic[N]):
     """The candidate set of one cache, kept exact for `policy` (see the module doc)."""
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
         self.num_evictable = 0
+        # `pop_victims` may work on the candidate heap itself only while the policy keeps
+        # its candidates as `RankedPolicy` does
+        kind = type(policy)
+        self._heap_direct = isinstance(policy, RankedPolicy) and all(
+            getattr(kind, name) is getattr(RankedPolicy, name) for name in _HEAP_METHODS
+        )
 
     def __len__(self) -> int:
         """The number of candidates (evictable leaves)."""
@@ -205,14 +215,16 @@ class EvictionCore(Generic[N]):
         """`pop_victim` up to `n` times (fewer once no candidate is left): the victims in
         order, each removed, in one call.
 
-        For a `RankedPolicy` the loop works on the policy's candidate heap directly
+        For a `RankedPolicy` that keeps its candidates as `RankedPolicy` does (none of
+        `_HEAP_METHODS` overridden), the loop works on the candidate heap directly
         (`RankedPolicy.candidate_heap`) and hands the victims to `remove_victims` at the
-        end. A parent left without children whose entry is below every heap entry is
-        the next victim, so it is taken at once instead of being pushed and popped: a
-        request's chain, ranked tail lowest, goes in one run. The victims are exactly
+        end; any other policy is asked one victim at a time. A parent left without
+        children whose entry is below every heap entry is the next victim, so it is taken
+        at once instead of being pushed and popped: a request's chain, ranked tail
+        lowest, goes in one run. The victims are exactly
         those of `n` `pop_victim` calls."""
         policy = self.policy
-        if not isinstance(policy, RankedPolicy):
+        if not self._heap_direct or not isinstance(policy, RankedPolicy):
             victims: list[N] = []
             while len(victims) < n:
                 node = self.pop_victim()

@@ -19,6 +19,7 @@ from kvplug.policies.base import EvictionPolicy
 from kvplug.policies.cost import CostPolicy
 from kvplug.policies.gdsf import GDSFPolicy
 from kvplug.policies.learned import LearnedPolicy
+from kvplug.policies.lfu import LFUPolicy
 from kvplug.policies.offline.rate_oracle import ReturningOraclePolicy
 from kvplug.policies.shadow import ShadowCache, sampled
 
@@ -358,3 +359,26 @@ def test_batched_paths_decide_as_one_at_a_time(name: str, ops) -> None:
             assert getattr(a, learned, None) == getattr(b, learned, None), learned
         for side in (a, b):
             assert side.chosen == a.chosen
+
+
+class _SkipsOdd(LFUPolicy):
+    """A plugin's `RankedPolicy` that chooses its victims itself: odd serials last."""
+
+    def pop_first(self):
+        first = super().pop_first()
+        if first is not None and first.serial % 2 and len(self):
+            second = super().pop_first()
+            self.add_candidate(first)
+            return second
+        return first
+
+
+def test_pop_victims_asks_a_policy_that_chooses_its_own_victims() -> None:
+    """`EvictionCore.pop_victims` reads the candidate heap itself only for a policy that
+    keeps it as `RankedPolicy` does; one that overrides how victims are taken is asked."""
+    core = EvictionCore(_SkipsOdd())
+    nodes = [_Node(serial, 0, None) for serial in range(4)]
+    for node in nodes:
+        core.insert(node, None)
+    core.release_n(nodes)
+    assert [node.serial for node in core.pop_victims(2)] == [0, 2]
