@@ -221,8 +221,8 @@ class EvictionCore(Generic[N]):
         end; any other policy is asked one victim at a time. A parent left without
         children whose entry is below every heap entry is the next victim, so it is taken
         at once instead of being pushed and popped: a request's chain, ranked tail
-        lowest, goes in one run. The victims are exactly
-        those of `n` `pop_victim` calls."""
+        lowest, goes in one run. The victims are exactly those of `n` `pop_victim`
+        calls."""
         policy = self.policy
         if not self._heap_direct or not isinstance(policy, RankedPolicy):
             victims: list[N] = []

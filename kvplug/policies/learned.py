@@ -100,12 +100,12 @@ class LearnedPolicy(CostPolicy):
         if own.rank is not LearnedPolicy.rank or own.credit is not CostPolicy.credit:
             RankedPolicy.release_n(self, nodes)
             return
-        ranks, releases, mask = self._rank, self._releases, (1 << self.sample_shift) - 1
+        ranks, releases, shift = self._rank, self._releases, self.sample_shift
         inflation, mean = self.inflation, self._mean_credit
         for node, credit in zip(nodes, self._credits(nodes), strict=True):
             mean += (credit - mean) / 1024
             key = node.key
-            if key[0] & mask == 0:  # sampled(key, self.sample_shift)
+            if sampled(key, shift):
                 self._learned.release(key, credit)
                 self._lru.release(key, 0.0)
             if self.use_learned:
