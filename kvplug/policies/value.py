@@ -29,7 +29,10 @@ class BlockValue:
             self.tokens_per_block = block_size
 
     def __call__(self, node: CachedNode) -> float:
-        depth = node.depth
+        return self.at_depth(node.depth)
+
+    def at_depth(self, depth: int) -> float:
+        """The value of a block at `depth` (computed once, then read from `by_depth`)."""
         if depth < len(self.by_depth):
             return self.by_depth[depth]
         while len(self.by_depth) <= depth:

@@ -57,7 +57,7 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.core.groups import GroupKind
 from kvplug.policies import make_policy
-from kvplug.policies.base import EvictionPolicy
+from kvplug.policies.base import EvictionPolicy, RankedPolicy
 from kvplug.vllm.anchors import HybridRules
 from kvplug.vllm.free_queue import PolicyFreeQueue
 from kvplug.vllm.stats import PoolStats
@@ -69,6 +69,19 @@ class Release:
 
     output_tokens: int = 0
     request_hit: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStanding:
+    """What a tracked pool knows of one cached block: whether it is evictable, whether
+    another tier holds a copy, its hits since it was cached, the output length of the
+    request that released it last, and its rank at that release (None: not ranked)."""
+
+    evictable: bool
+    held_elsewhere: bool
+    hits: int
+    request_output: int
+    rank: float | None
 
 
 class CachedBlock:
@@ -200,6 +213,22 @@ class KVPlugBlockPool(BlockPool):
     def num_cached_blocks(self) -> int:
         """Blocks holding a reusable hash, held or free."""
         return self._num_keys
+
+    def standing(self, block: KVCacheBlock) -> BlockStanding | None:
+        """What the pool knows of `block` under its current hash (None: it holds none the
+        pool accounts for). A tracked pool only."""
+        if self._keys[block.block_id] is None:
+            return None
+        record = self._slots[block.block_id]
+        policy = self.policy
+        ranked = isinstance(policy, RankedPolicy) and policy.has_rank(record)
+        return BlockStanding(
+            record.evictable,
+            record.held_elsewhere,
+            record.hits,
+            record.request_output,
+            policy.rank_of(record) if ranked else None,
+        )
 
     # -- vLLM's entry points -------------------------------------------------------------
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -730,7 +759,17 @@ class ReleaseOrderPool(KVPlugBlockPool):
         assert len(self.policy) == 0, "lru ranks nothing in the pool"
 
 
-def pool_class(policy: EvictionPolicy) -> type[KVPlugBlockPool]:
-    """The pool class that serves `policy`, chosen before vLLM builds the pool: vLLM's own
-    queue for a policy in release order (`ReleaseOrderPool`), kvplug's ranking otherwise."""
-    return ReleaseOrderPool if policy.release_order else KVPlugBlockPool
+def pool_class(
+    policy: EvictionPolicy, group_kinds: Mapping[int, GroupKind] | None = None
+) -> type[KVPlugBlockPool]:
+    """The pool class that serves `policy` on a model of `group_kinds` (None or empty: one
+    kind), chosen before vLLM builds the pool: vLLM's own queue for a policy in release
+    order (`ReleaseOrderPool`); for `cost`, the dense core where it is wanted and serves
+    the model (`kvplug.vllm.dense_pool`); kvplug's record-based ranking otherwise."""
+    if policy.release_order:
+        return ReleaseOrderPool
+    from kvplug.vllm.dense_pool import DenseCostPool, dense_core_wanted, dense_serves
+
+    if dense_serves(policy, group_kinds) and dense_core_wanted():
+        return DenseCostPool
+    return KVPlugBlockPool

@@ -150,11 +150,19 @@ def manager_class(connector: bool) -> type[KVPlugKVCacheManager]:
 
 
 @contextlib.contextmanager
-def kvplug_classes(policy: EvictionPolicy, connector: bool = False) -> Iterator[None]:
-    """While open, vLLM builds kvplug's pool (the class that serves `policy`, with it) and
-    manager classes in place of its own (`manager_class`)."""
+def kvplug_classes(
+    policy: EvictionPolicy, connector: bool = False, kv_cache_config: Any = None
+) -> Iterator[None]:
+    """While open, vLLM builds kvplug's pool (the class that serves `policy` on the model
+    of `kv_cache_config`, with it) and manager classes in place of its own
+    (`manager_class`)."""
+    kinds = group_kinds(kv_cache_config) if kv_cache_config is not None else None
     swaps = [
-        (kv_cache_coordinator, "BlockPool", functools.partial(pool_class(policy), policy=policy)),
+        (
+            kv_cache_coordinator,
+            "BlockPool",
+            functools.partial(pool_class(policy, kinds), policy=policy),
+        ),
         (vllm_scheduler, "KVCacheManager", manager_class(connector)),
     ]
     with _swap_lock:
@@ -227,7 +235,7 @@ def build_kvplug_manager(
 ) -> KVPlugKVCacheManager:
     """A `KVPlugKVCacheManager` built from vLLM's own arguments, its pool ranked by
     `policy` (a `ConnectorKVCacheManager` if a `connector` loads external tokens)."""
-    with kvplug_classes(policy, connector):
+    with kvplug_classes(policy, connector, kwargs["kv_cache_config"]):
         manager = manager_class(connector)(**kwargs)
     attach_policy(manager, policy, kwargs["kv_cache_config"])
     return manager

@@ -86,9 +86,10 @@ class KVPlugSchedulerMixin:
         _check_block_size(config, vllm_config)
         model = model_spec(vllm_config)
         policy = build_policy(config, model)
-        with kvplug_classes(policy, connector=vllm_config.kv_transfer_config is not None):
-            super().__init__(**kwargs)  # type: ignore[call-arg]
         kv_cache_config = kwargs["kv_cache_config"]
+        connector = vllm_config.kv_transfer_config is not None
+        with kvplug_classes(policy, connector, kv_cache_config):
+            super().__init__(**kwargs)  # type: ignore[call-arg]
         self.kvplug_config = config
         self.kvplug_stats = attach_policy(self.kv_cache_manager, policy, kv_cache_config)
         self.kvplug_pool: KVPlugBlockPool = self.kv_cache_manager.block_pool
@@ -104,7 +105,7 @@ class KVPlugSchedulerMixin:
             self._snapshots = SnapshotWriter(engine=str(dp_rank))
         logger.info(
             "kvplug is active (engine %d): policy=%s %s, %d blocks of %d tokens, "
-            "%d KV cache group(s) (%s), prefix caching %s",
+            "%d KV cache group(s) (%s), prefix caching %s, pool %s",
             dp_rank,
             config.policy,
             config.policy_config or "(defaults)",
@@ -113,6 +114,7 @@ class KVPlugSchedulerMixin:
             len(kv_cache_config.kv_cache_groups),
             type(self.kv_cache_manager.coordinator).__name__,
             "on" if self.kvplug_pool.enable_caching else "off",
+            type(self.kvplug_pool).__name__,
         )
 
     # -- requests -------------------------------------------------------------------------

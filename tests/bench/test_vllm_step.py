@@ -26,8 +26,9 @@ from kvplug.bench.vllm_step import (  # noqa: E402
     report,
 )
 from kvplug.cli.bench import bench  # noqa: E402
+from kvplug.policies import make_policy  # noqa: E402
 from kvplug.tools.tiny_model import build_tiny_model  # noqa: E402
-from kvplug.vllm.block_pool import KVPlugBlockPool  # noqa: E402
+from kvplug.vllm.block_pool import KVPlugBlockPool, pool_class  # noqa: E402
 
 NUM_BLOCKS = 500
 STEPS = 24
@@ -101,7 +102,7 @@ def test_pools(run: tuple[list[ArmResult], list[Arm]]) -> None:
     for arm, result in zip(kvplug_arms, results[1:], strict=True):
         assert isinstance(arm.pool, KVPlugBlockPool)
         # lru runs on vLLM's own free queue (ReleaseOrderPool); other policies are tracked
-        assert result.pool == ("ReleaseOrderPool" if arm.name == "lru" else "KVPlugBlockPool")
+        assert result.pool == pool_class(make_policy(arm.name)).__name__
         assert arm.pool.policy.name == arm.name
         assert result.evictions is not None and result.evictions > 0  # the pool was full
         arm.pool.check_invariants()
@@ -153,8 +154,9 @@ def test_the_decision_digest_tells_policies_apart_and_repeats(
     cost = decision_digest(model_dir, NUM_BLOCKS, "cost", STEPS, TINY)
     assert decision_digest(model_dir, NUM_BLOCKS, "cost", STEPS, TINY) == cost
     assert decision_digest(model_dir, NUM_BLOCKS, "lru", STEPS, TINY) != cost
-    original = KVPlugBlockPool.evict_n
-    monkeypatch.setattr(KVPlugBlockPool, "evict_n", lambda self, n: original(self, n)[::-1])
+    served = pool_class(make_policy("cost"))
+    original = served.evict_n
+    monkeypatch.setattr(served, "evict_n", lambda self, n: original(self, n)[::-1])
     assert decision_digest(model_dir, NUM_BLOCKS, "cost", STEPS, TINY) != cost
 
 

@@ -114,7 +114,7 @@ def test_the_walk_from_the_head_is_the_order_blocks_are_handed_out(
     walk = list(queue.iter_blocks_after(None))
     assert len(walk) == pool.get_num_free_blocks() == len({b.block_id for b in walk})
     if pool.policy.prices_tiers:  # ranked as a reload, wherever that puts them
-        assert all(pool._slots[b.block_id].held_elsewhere for b in picked)
+        assert all(pool.standing(b).held_elsewhere for b in picked)
     else:
         first_cached = [b for b in walk if b.block_hash is not None][: len(picked)]
         assert {b.block_id for b in first_cached} == {b.block_id for b in picked}
@@ -185,14 +185,12 @@ def test_a_block_another_tier_holds_goes_before_an_equal_one_held_nowhere_else(p
     a, b = cached_first_blocks(arm, [(0, [1, F]), (1, [2, F + 1])])
     pool.touch([b])
     free_to_evict_first(pool, [b])
-    assert pool._slots[b.block_id].held_elsewhere
+    assert pool.standing(b).held_elsewhere
     assert cached_order(pool) == [b.block_id, a.block_id]
     lane = pool.free_block_queue._first_entry
     if priced:
         assert not lane
-        assert pool.policy.rank_of(pool._slots[b.block_id]) < pool.policy.rank_of(
-            pool._slots[a.block_id]
-        )
+        assert pool.standing(b).rank < pool.standing(a).rank
     else:
         assert b.block_id in lane
     assert handed_out(pool)[-2:] == [b.block_id, a.block_id]
@@ -209,7 +207,7 @@ def test_a_block_held_elsewhere_is_worth_its_reload_not_nothing(gbps, first):
     prompts = [(k, [1, F + k]) for k in range(4)] + [(9, [2, F + 9])]
     blocks = cached_first_blocks(arm, prompts)
     hot, cold = blocks[0], blocks[-1]
-    assert pool._slots[hot.block_id].hits == 3
+    assert pool.standing(hot).hits == 3
     pool.touch([hot])
     free_to_evict_first(pool, [hot])
     expected = [hot.block_id, cold.block_id] if first == "hot" else [cold.block_id, hot.block_id]

@@ -52,7 +52,7 @@ def _loaded_blocks_held_elsewhere(arm: VLLMOffloadArm) -> list[bool]:
     pool = arm.manager.block_pool
     manager = arm.manager.coordinator.single_type_managers[0]
     loaded = manager.req_to_blocks["9"][hits : hits + arm.loaded]
-    return [pool._slots[b.block_id].held_elsewhere for b in loaded]
+    return [pool.standing(b).held_elsewhere for b in loaded]
 
 
 def test_blocks_a_connector_loaded_are_held_elsewhere():

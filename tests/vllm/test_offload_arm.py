@@ -35,7 +35,7 @@ def test_the_offloader_copies_the_head_of_the_walk_and_gives_it_back_to_go_first
     if policy == "cost":  # kvplug's pool knows every block it gave back as held elsewhere
         for block in walk:
             if block.block_hash is not None and get_block_hash(block.block_hash) in arm._host:
-                assert pool._slots[block.block_id].held_elsewhere
+                assert pool.standing(block).held_elsewhere
 
 
 def test_a_prefix_the_gpu_lost_is_loaded_from_the_cpu_tier_less_its_reload():

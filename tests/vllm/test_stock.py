@@ -228,6 +228,6 @@ def test_kvplug_arm_tells_the_pool_how_many_tokens_the_request_generated(output_
     assert arm.grow(0, [901])  # one output unit
     arm.finish(0, output_tokens)
     pool = arm.manager.block_pool
-    released = [record for record, key in zip(pool._slots, pool._keys, strict=True) if key]
-    assert released and all(record.evictable for record in released)
-    assert {record.request_output for record in released} == {output_tokens}
+    released = [pool.standing(block) for block in pool.blocks if pool._keys[block.block_id]]
+    assert released and all(standing.evictable for standing in released)
+    assert {standing.request_output for standing in released} == {output_tokens}

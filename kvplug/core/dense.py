@@ -1,0 +1,684 @@
+"""A dense eviction core with `cost`'s ranking: nodes are an engine's block ids.
+
+`DenseCostCore` makes the decisions of `kvplug.core.eviction.EvictionCore` running
+`kvplug.policies.cost.CostPolicy`, victim for victim and rank for rank, for caches whose
+blocks are numbered ``0 .. num_nodes - 1`` (vLLM's block ids). Where the generic core keeps
+a record object per block, dicts keyed by serial and a heap of Python ints, this one keeps
+typed arrays indexed by block id and an indexed binary heap of block ids ordered by
+``(rank, release order)``, so that, compiled, a block event costs a few array writes and
+no Python object. It is written in Cython's pure-Python mode: built as an extension where
+a compiler is present (``COMPILED``), and run as plain Python otherwise. Both run the same
+tests, and both make the generic core's decisions (a differential test checks it).
+
+What `CostPolicy` learns stays on the policy object: its closed trials and reuses per
+class (``_tried``, ``_reused``), its classes (``_classes``), its inflation, its ghost
+history of evicted keys. The core writes them as the policy would, so ``learned()`` and
+``inflation`` read the same.
+
+Per block (an *identity*: a block renews it each time it caches a new hash, `insert_chain`)
+the core keeps a serial (-1: no identity), its parent and the parent's serial at link
+time (a link is live while they match), how many cached blocks name it as live parent,
+whether it is evictable, and what the policy reads (hits, depth, the releasing request's
+``from_end``, ``request_hit`` and output length, whether another tier holds it), its open
+trial, its remembered reuses and, once released, its rank and release order (fixed point,
+`kvplug.policies.entry.FRACTION_BITS` fractional bits: a restored release sits halfway to
+the next whole one).
+
+Invariants (`check_invariants`):
+
+- the heap holds exactly the evictable identities with no cached children, each once,
+  and ``pos`` names each one's slot; every parent sorts before its children by
+  ``(rank, order)`` in heap order;
+- ``num_evictable`` counts the evictable identities; ``children[b]`` counts the live
+  identities whose live parent is ``b``.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from typing import Any
+
+import cython
+
+from kvplug.policies.entry import FRACTION_BITS, rank_key
+
+COMPILED: bool = cython.compiled
+# a release order in fixed point (`kvplug.policies.entry`): one whole release, and the
+# fraction's bits, as C constants when compiled
+_ONE = cython.declare(cython.longlong, 1 << FRACTION_BITS)
+_FRACTION = cython.declare(cython.longlong, (1 << FRACTION_BITS) - 1)
+
+
+@cython.cclass
+class DenseCostCore:
+    """`EvictionCore` with `CostPolicy`'s ranking over blocks ``0 .. num_nodes - 1``
+    (see the module doc). `keys` is the cache's list of each block's key (its hash), read
+    when a block's key goes to the ghost history or comes back from it, and cleared when
+    `pop_victims` evicts it. With `objects` (the cache's block objects, by id),
+    `pop_victims` returns those instead of ids; with `recent`, it also appends each
+    victim's key there, keeping the latest `recent_capacity` (a cache's record of recent
+    victims, for churn)."""
+
+    serial: cython.longlong[:]
+    parent: cython.int[:]
+    parent_serial: cython.longlong[:]
+    children: cython.int[:]
+    evictable: cython.char[:]
+    hits: cython.int[:]
+    depth: cython.int[:]
+    from_end: cython.int[:]
+    request_hit: cython.char[:]
+    request_output: cython.longlong[:]
+    held: cython.char[:]
+    trial: cython.short[:]
+    credit: cython.int[:]
+    ranked: cython.char[:]
+    rank: cython.double[:]
+    order: cython.longlong[:]
+    since: cython.longlong[:]  # when it last became evictable, in evictions' count
+    heap: cython.int[:]
+    pos: cython.int[:]
+    tried: cython.longlong[:]
+    reused: cython.longlong[:]
+    probability: cython.double[:]
+    known: cython.char[:]  # probability[code] is current
+    size: cython.int
+    num_evictable: cython.Py_ssize_t
+    next_serial: cython.longlong
+    releases: cython.longlong
+    entered: cython.longlong
+    inflation: cython.double
+    chosen_serial: cython.longlong
+    weight: cython.double
+    prices_tiers: cython.bint
+    tiers_seen: cython.bint
+    reload: cython.double
+    ghost_capacity: cython.Py_ssize_t
+    policy: object
+    keys: list
+    objects: object
+    recent: object
+    recent_capacity: cython.Py_ssize_t
+    ghosts: object
+    by_depth: list
+    classes: dict
+
+    def __init__(
+        self,
+        policy: Any,
+        num_nodes: int,
+        keys: list,
+        objects: list | None = None,
+        recent: OrderedDict | None = None,
+        recent_capacity: int = 0,
+    ) -> None:
+        n = num_nodes
+        self.policy = policy
+        self.keys = keys
+        self.objects = objects
+        self.recent = recent
+        self.recent_capacity = recent_capacity
+        self.serial = array("q", [-1]) * n
+        self.parent = array("i", [-1]) * n
+        self.parent_serial = array("q", [-1]) * n
+        self.children = array("i", [0]) * n
+        self.evictable = array("b", [0]) * n
+        self.hits = array("i", [0]) * n
+        self.depth = array("i", [0]) * n
+        self.from_end = array("i", [0]) * n
+        self.request_hit = array("b", [0]) * n
+        self.request_output = array("q", [0]) * n
+        self.held = array("b", [0]) * n
+        self.trial = array("h", [-1]) * n
+        self.credit = array("i", [0]) * n
+        self.ranked = array("b", [0]) * n
+        self.rank = array("d", [0.0]) * n
+        self.order = array("q", [0]) * n
+        self.since = array("q", [0]) * n
+        self.entered = 0
+        self.heap = array("i", [0]) * max(n, 1)
+        self.pos = array("i", [-1]) * n
+        # the policy's own tallies, as typed arrays it keeps reading (`reuse_probability`)
+        policy._tried = array("q", policy._tried)
+        policy._reused = array("q", policy._reused)
+        self.tried = policy._tried
+        self.reused = policy._reused
+        self.probability = array("d", [0.0]) * 1024
+        self.known = array("b", [0]) * 1024
+        self.size = 0
+        self.num_evictable = 0
+        self.next_serial = 0
+        self.releases = 0
+        self.inflation = policy.inflation
+        self.chosen_serial = -1
+        self.weight = policy.frequency_weight
+        self.prices_tiers = policy.prices_tiers
+        self.tiers_seen = False
+        self.reload = 0.0
+        self.ghost_capacity = policy._ghost_capacity
+        self.ghosts = policy._ghosts
+        self.by_depth = policy.value.by_depth
+        self.classes = policy._classes
+
+    # -- what the cache reports ----------------------------------------------------------
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def insert_chain(self, nodes: list, depths: list, parent: cython.int) -> None:
+        """Each of `nodes` (block ids) cached under a new identity at its depth (`depths`,
+        parallel), each below the one before it and the first below `parent` (-1: none).
+        A key back from the ghost history closes its trial as reused and gives the block
+        its reuses back."""
+        n: cython.Py_ssize_t = len(nodes)
+        if n == 0:
+            return
+        serial: cython.longlong[:] = self.serial
+        children: cython.int[:] = self.children
+        if parent >= 0:
+            children[parent] += 1
+            if children[parent] == 1 and self.evictable[parent]:
+                self._discard(parent)
+        above: cython.int = parent
+        ghosts = self.ghosts
+        keys: list = self.keys
+        node: cython.int
+        i: cython.Py_ssize_t
+        ghost: cython.longlong
+        for i in range(n):
+            node = nodes[i]
+            serial[node] = self.next_serial
+            self.next_serial += 1
+            self.parent[node] = above
+            self.parent_serial[node] = -1 if above < 0 else serial[above]
+            children[node] = 0 if i == n - 1 else 1
+            self.evictable[node] = 0
+            self.depth[node] = depths[i]
+            self.hits[node] = 0
+            self.from_end[node] = 0
+            self.request_hit[node] = 0
+            self.request_output[node] = 0
+            self.held[node] = 0
+            self.trial[node] = -1
+            self.credit[node] = 0
+            self.ranked[node] = 0
+            above = node
+        if not ghosts:
+            return
+        for i in range(n):
+            node = nodes[i]
+            found = ghosts.pop(keys[node], None)
+            if found is not None:
+                ghost = found
+                self._close(ghost & 1023, True)
+                self.credit[node] = (ghost >> 10) + 1
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def release_n(
+        self, nodes: list, from_ends: object, request_hit: cython.bint, output: cython.longlong
+    ) -> None:
+        """Nothing holds `nodes` any more (one request's blocks, freed together): each is
+        ranked and, if it has no cached children, offered. With `from_ends` (a list
+        parallel to `nodes`), each learns its releasing request first: its ``from_end``,
+        `request_hit` and `output` tokens; with None, it keeps what it knew."""
+        n: cython.Py_ssize_t = len(nodes)
+        i: cython.Py_ssize_t
+        node: cython.int
+        if from_ends is not None:
+            ends: list = from_ends
+            for i in range(n):
+                node = nodes[i]
+                self.from_end[node] = ends[i]
+                self.request_hit[node] = request_hit
+                self.request_output[node] = output
+        for i in range(n):
+            self._rank_release(nodes[i])
+        evictable: cython.char[:] = self.evictable
+        children: cython.int[:] = self.children
+        since: cython.longlong[:] = self.since
+        for i in range(n):
+            node = nodes[i]
+            evictable[node] = 1
+            since[node] = self.entered
+            self.entered += 1
+            if children[node] == 0:
+                self._push(node)
+        self.num_evictable += n
+
+    def restore_n(self, nodes: list) -> None:
+        """Nodes withdrawn without a use (another tier held them while it copied them
+        out) are evictable again with the standing of their last release, the tier
+        lowering it (`tier_changed`); one never ranked is released anew."""
+        fresh = [node for node in nodes if not self.ranked[node]]
+        if fresh:
+            self.release_n(fresh, None, False, 0)
+        node: cython.int
+        fraction: cython.longlong
+        for node in nodes:
+            if self.evictable[node]:
+                continue
+            fraction = self.order[node] & _FRACTION
+            self.order[node] += ((fraction + _ONE) >> 1) - fraction
+            self.evictable[node] = 1
+            self.since[node] = self.entered
+            self.entered += 1
+            self.num_evictable += 1
+            if self.children[node] == 0:
+                self._push(node)
+            self.tier_changed(node)
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def hit_n(self, nodes: list) -> None:
+        """A lookup reused each of `nodes`: a hit, which closes its open trial as reused."""
+        node: cython.int
+        code: cython.int
+        hits: cython.int[:] = self.hits
+        trial: cython.short[:] = self.trial
+        for node in nodes:
+            hits[node] += 1
+            code = trial[node]
+            if code >= 0:
+                trial[node] = -1
+                self._close(code, True)
+
+    def reclaim(self, node: cython.int) -> None:
+        """An evictable `node` is held again (a prefix hit); no-op if it is not."""
+        if self.evictable[node]:
+            self.evictable[node] = 0
+            self.num_evictable -= 1
+            if self.children[node] == 0:
+                self._discard(node)
+
+    def held_elsewhere(self, node: cython.int, held: cython.bint) -> None:
+        """Another tier holds a copy of `node` (or, `held` False, no longer does)."""
+        if self.held[node] == held:
+            return
+        self.held[node] = held
+        if self.evictable[node]:
+            self.tier_changed(node)
+        elif self.prices_tiers:
+            self.tiers_seen = True
+
+    def tier_changed(self, node: cython.int) -> None:
+        """`node`, evictable, became held elsewhere: a policy that prices tiers re-ranks
+        it now to the lower of its rank and a reload's (`CostPolicy.tier_changed`)."""
+        if not self.prices_tiers:
+            return
+        self.tiers_seen = True
+        if not self.ranked[node] or not self.held[node]:
+            return
+        ranked: cython.double = self.inflation + self._credit(node)
+        if ranked >= self.rank[node]:
+            return
+        self.rank[node] = ranked
+        self.order[node] = self.releases * _ONE
+        self.releases += 1
+        if self.pos[node] >= 0:
+            self._sift_up(self.pos[node])
+
+    def remove(self, node: cython.int) -> None:
+        """`node` left the cache other than as the policy's victim (invalidated, or its
+        engine dropped its key): it leaves the tree, and its key goes to the ghost
+        history if its trial is open. Its identity ends."""
+        if self.evictable[node]:
+            self.evictable[node] = 0
+            self.num_evictable -= 1
+            if self.children[node] == 0:
+                self._discard(node)
+        self._leave(node)
+        if self.ranked[node]:
+            self.ranked[node] = 0
+            # L rises to the policy's own victims only (`CostPolicy.remove`)
+            if self.serial[node] == self.chosen_serial and self.rank[node] > self.inflation:
+                self._inflate(self.rank[node])
+        self._forget(node)
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def pop_victims(self, n: cython.Py_ssize_t) -> list:
+        """The policy's next `n` victims (fewer once none is left), in order, each removed
+        and its identity ended and its key cleared: a parent whose last child leaves
+        becomes a candidate. Block ids, or the cache's objects (see the class doc)."""
+        victims: list = []
+        taken: cython.Py_ssize_t = 0
+        node: cython.int
+        above: cython.int
+        top: cython.double = self.inflation
+        serial: cython.longlong[:] = self.serial
+        children: cython.int[:] = self.children
+        evictable: cython.char[:] = self.evictable
+        keys: list = self.keys
+        objects = self.objects
+        recent = self.recent
+        while taken < n and self.size > 0:
+            node = self.heap[0]
+            self._remove_at(0)
+            evictable[node] = 0
+            above = self.parent[node]
+            if above >= 0 and serial[above] == self.parent_serial[node]:
+                children[above] -= 1
+                if children[above] == 0 and evictable[above]:
+                    self._push(above)
+            if self.rank[node] > top:
+                top = self.rank[node]
+            self.ranked[node] = 0
+            self.chosen_serial = serial[node]
+            self._forget(node)
+            if recent is not None:
+                recent[keys[node]] = None
+            keys[node] = None
+            victims.append(node if objects is None else objects[node])
+            taken += 1
+        self.num_evictable -= taken
+        if top > self.inflation:
+            self._inflate(top)
+        if recent is not None:
+            while len(recent) > self.recent_capacity:
+                recent.popitem(last=False)
+        return victims
+
+    def next_victim(self) -> int:
+        """The candidate the policy evicts first (-1: none). Changes nothing but which
+        victim counts as the policy's own (`remove` then raises the inflation)."""
+        if self.size == 0:
+            return -1
+        self.chosen_serial = self.serial[self.heap[0]]
+        return self.heap[0]
+
+    # -- what the cache reads ------------------------------------------------------------
+    def __len__(self) -> int:
+        """The number of candidates (evictable leaves)."""
+        return self.size
+
+    def evictable_count(self) -> int:
+        return self.num_evictable
+
+    def is_live(self, node: cython.int) -> bool:
+        return self.serial[node] >= 0
+
+    def is_evictable(self, node: cython.int) -> bool:
+        return bool(self.evictable[node])
+
+    def is_held_elsewhere(self, node: cython.int) -> bool:
+        return bool(self.held[node])
+
+    def is_ranked(self, node: cython.int) -> bool:
+        return bool(self.ranked[node])
+
+    def live_parent(self, node: cython.int) -> int:
+        """`node`'s parent if the link is live, else -1."""
+        above: cython.int = self.parent[node]
+        if above >= 0 and self.serial[above] == self.parent_serial[node]:
+            return above
+        return -1
+
+    def cached_children(self, node: cython.int) -> int:
+        return self.children[node]
+
+    def hit_count(self, node: cython.int) -> int:
+        return self.hits[node]
+
+    def request_output_of(self, node: cython.int) -> int:
+        return self.request_output[node]
+
+    def entry(self, node: cython.int) -> tuple[float, int]:
+        """`node`'s place in the eviction order: (rank, release order in fixed point)."""
+        return (self.rank[node], self.order[node])
+
+    def evictable_nodes(self) -> list[int]:
+        """Every evictable node, in the order they became evictable (first first)."""
+        found = [node for node in range(len(self.serial)) if self.evictable[node]]
+        return sorted(found, key=lambda node: self.since[node])
+
+    def candidates(self) -> list[int]:
+        """The current candidates in heap order (the first is the next victim)."""
+        return [self.heap[i] for i in range(self.size)]
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if an invariant of the module doc does not hold."""
+        n = len(self.serial)
+        counted = [0] * n
+        for node in range(n):
+            if self.serial[node] >= 0:
+                above = self.live_parent(node)
+                if above >= 0:
+                    counted[above] += 1
+        evictable = 0
+        for node in range(n):
+            if self.serial[node] < 0:
+                assert self.pos[node] < 0, f"block {node}: no identity, in the heap"
+                continue
+            assert self.children[node] == counted[node], f"block {node}: child count"
+            evictable += self.evictable[node]
+            leaf = bool(self.evictable[node]) and counted[node] == 0
+            assert (self.pos[node] >= 0) == leaf, f"block {node}: heap membership"
+            if leaf:
+                assert self.heap[self.pos[node]] == node, f"block {node}: heap slot"
+        assert evictable == self.num_evictable, "evictable count"
+        for i in range(1, self.size):
+            assert not self._less(self.heap[i], self.heap[(i - 1) >> 1]), "heap order"
+
+    # -- internals ----------------------------------------------------------------------
+    @cython.cfunc
+    def _forget(self, node: cython.int) -> cython.void:
+        """The end of `node`'s identity: its open trial's key goes to the ghost history
+        (which forgets its oldest beyond capacity, closing those trials unreused)."""
+        code: cython.int = self.trial[node]
+        if code >= 0:
+            self.trial[node] = -1
+            ghosts = self.ghosts
+            ghosts[self.keys[node]] = (self.hits[node] + self.credit[node]) << 10 | code
+            while len(ghosts) > self.ghost_capacity:
+                old: cython.longlong = ghosts.popitem(last=False)[1]
+                self._close(old & 1023, False)
+        self.credit[node] = 0
+        self.serial[node] = -1
+
+    @cython.cfunc
+    def _leave(self, node: cython.int) -> cython.void:
+        above: cython.int = self.parent[node]
+        if above >= 0 and self.serial[above] == self.parent_serial[node]:
+            self.children[above] -= 1
+            if self.children[above] == 0 and self.evictable[above]:
+                self._push(above)
+
+    @cython.cfunc
+    def _inflate(self, rank: cython.double) -> cython.void:
+        self.inflation = rank
+        self.policy.inflation = rank
+        self.policy._inflation_key = rank_key(rank)
+
+    @cython.cfunc
+    def _close(self, code: cython.int, reused: cython.bint) -> cython.void:
+        self.tried[code] += 1
+        if reused:
+            self.reused[code] += 1
+        self.known[code] = 0
+
+    @cython.cfunc
+    @cython.cdivision(True)
+    def _credit(self, node: cython.int) -> cython.double:
+        """GreedyDual's credit for `node` (`CostPolicy._credits`, the same arithmetic in
+        the same order), opening its class's trial."""
+        hits: cython.longlong = self.hits[node]
+        reuses: cython.longlong = hits + self.credit[node]
+        output: cython.int = _bit_length(self.request_output[node])
+        code: cython.int
+        from_end: cython.int
+        if output > 12:
+            output = 12
+        if reuses:
+            code = (reuses if reuses < 3 else 3) << 8 | output
+        else:
+            from_end = self.from_end[node]
+            code = ((from_end if from_end < 3 else 3) << 1 | self.request_hit[node]) << 4
+            code |= output
+        self.trial[node] = code
+        if not self.known[code]:
+            if code not in self.classes:
+                self.classes[code] = _class_of(code)
+            self.probability[code] = (self.reused[code] + 1) / cython.cast(
+                cython.double, self.tried[code] + 2
+            )
+            self.known[code] = 1
+        probability: cython.double = self.probability[code]
+        depth: cython.int = self.depth[node]
+        value: cython.double
+        if depth < len(self.by_depth):
+            value = self.by_depth[depth]
+        else:
+            value = self.policy.value.at_depth(depth)
+            self.by_depth = self.policy.value.by_depth
+        if self.tiers_seen and self.held[node]:
+            if self.reload == 0.0:
+                self.reload = self.policy.reload_value()
+            if value > self.reload:
+                value = self.reload
+        return (1 + self.weight * (hits if hits < 3 else 3)) * probability * value
+
+    @cython.cfunc
+    def _rank_release(self, node: cython.int) -> cython.void:
+        credit: cython.double = self._credit(node)
+        self.rank[node] = self.inflation + credit + 0.0
+        self.order[node] = self.releases * _ONE
+        self.releases += 1
+        self.ranked[node] = 1
+
+    # the heap: block ids ordered by (rank, order); pos[b] is b's slot, -1 outside
+    @cython.cfunc
+    @cython.inline
+    def _less(self, a: cython.int, b: cython.int) -> cython.bint:
+        if self.rank[a] < self.rank[b]:
+            return True
+        return self.rank[a] == self.rank[b] and self.order[a] < self.order[b]
+
+    @cython.cfunc
+    def _push(self, node: cython.int) -> cython.void:
+        at: cython.int = self.size
+        self.size += 1
+        self.heap[at] = node
+        self.pos[node] = at
+        self._sift_up(at)
+
+    @cython.cfunc
+    def _discard(self, node: cython.int) -> cython.void:
+        at: cython.int = self.pos[node]
+        if at >= 0:
+            self._remove_at(at)
+
+    @cython.cfunc
+    def _remove_at(self, at: cython.int) -> cython.void:
+        node: cython.int = self.heap[at]
+        self.pos[node] = -1
+        self.size -= 1
+        if at == self.size:
+            return
+        last: cython.int = self.heap[self.size]
+        self.heap[at] = last
+        self.pos[last] = at
+        if at > 0 and self._less(last, self.heap[(at - 1) >> 1]):
+            self._sift_up(at)
+        else:
+            self._sift_down(at)
+
+    @cython.cfunc
+    def _sift_up(self, at: cython.int) -> cython.void:
+        node: cython.int = self.heap[at]
+        above: cython.int
+        up: cython.int
+        while at > 0:
+            up = (at - 1) >> 1
+            above = self.heap[up]
+            if not self._less(node, above):
+                break
+            self.heap[at] = above
+            self.pos[above] = at
+            at = up
+        self.heap[at] = node
+        self.pos[node] = at
+
+    @cython.cfunc
+    def _sift_down(self, at: cython.int) -> cython.void:
+        node: cython.int = self.heap[at]
+        size: cython.int = self.size
+        child: cython.int
+        while True:
+            child = 2 * at + 1
+            if child >= size:
+                break
+            if child + 1 < size and self._less(self.heap[child + 1], self.heap[child]):
+                child += 1
+            if not self._less(self.heap[child], node):
+                break
+            self.heap[at] = self.heap[child]
+            self.pos[self.heap[at]] = at
+            at = child
+        self.heap[at] = node
+        self.pos[node] = at
+
+
+@cython.cfunc
+def _bit_length(x: cython.longlong) -> cython.int:
+    n: cython.int = 0
+    while x > 0 and n < 13:
+        x >>= 1
+        n += 1
+    return n
+
+
+def _class_of(code: int) -> tuple[int, ...]:
+    """The class a `CostPolicy` class code stands for (`CostPolicy.classify`)."""
+    if code >= 256:
+        return (code >> 8, code & 255)
+    return (0, code >> 5, (code >> 4) & 1, code & 15)
+
+
+def iter_victims(core: Any, gone: list[int]) -> Any:
+    """Every evictable node of the `DenseCostCore` `core` in the order successive
+    `pop_victims` calls would take them once the evictable nodes `gone` have left first
+    (nothing else changing meanwhile), changing nothing (`EvictionCore.iter_victims`):
+    the candidates read from the heap in order through a frontier of its slots, merged
+    with each parent at the point its last cached child would leave."""
+    from heapq import heappop, heappush
+
+    skip = set(gone)
+    children_left: dict[int, int] = {}
+    promoted: list[tuple[float, int, int]] = []
+
+    def leaves(node: int) -> None:
+        above = core.live_parent(node)
+        if above >= 0 and core.is_evictable(above) and above not in skip:
+            left = children_left.get(above, core.cached_children(above)) - 1
+            children_left[above] = left
+            if left == 0:
+                heappush(promoted, (*core.entry(above), above))
+
+    for node in gone:
+        leaves(node)
+    heap = core.candidates()
+    frontier: list[tuple[float, int, int, int]] = []
+    if heap:
+        frontier.append((*core.entry(heap[0]), heap[0], 0))
+
+    def upcoming() -> tuple[float, int, int] | None:
+        while frontier:
+            rank, order, node, at = heappop(frontier)
+            for child in (2 * at + 1, 2 * at + 2):
+                if child < len(heap):
+                    heappush(frontier, (*core.entry(heap[child]), heap[child], child))
+            return (rank, order, node)
+        return None
+
+    following = upcoming()
+    while following is not None or promoted:
+        if promoted and (following is None or promoted[0][:2] < following[:2]):
+            node = heappop(promoted)[2]
+        else:
+            assert following is not None
+            node = following[2]
+            following = upcoming()
+            if node in skip:
+                continue
+        yield node
+        leaves(node)

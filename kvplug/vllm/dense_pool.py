@@ -1,0 +1,432 @@
+"""kvplug's vLLM pool over the dense eviction core: `cost`'s decisions at a compiled price.
+
+`DenseCostPool` is `kvplug.vllm.block_pool.KVPlugBlockPool` with its per-block records,
+eviction core and policy heap replaced by one `kvplug.core.dense.DenseCostCore`, which
+keeps every block's state in typed arrays indexed by vLLM's block id. It makes the
+decisions the record-based pool makes with `cost` (the same victims, in the same order,
+and the same learning: a differential test runs both on the same operations), so it
+serves `cost` wherever the record pool would, but for a model with a sliding-window group
+(whose hybrid rules need records).
+
+`pool_class` builds it for a `cost` policy when the dense core is compiled (it is
+built as a C extension at install where a compiler is present) and the model has no
+sliding-window group. ``KVPLUG_DENSE_CORE`` overrides the choice: ``0`` keeps the record
+pool, ``1`` uses the dense core even as plain Python (slower, for tests); the default,
+``auto``, uses it only compiled.
+
+Invariants (checked by `check_invariants`): those of `KVPlugBlockPool` for a pool without
+hybrid rules, with the dense core's identities in place of records (a block's key is set
+exactly while its identity is live) and the dense core's own (`kvplug.core.dense`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from kvplug.core.dense import COMPILED, DenseCostCore, iter_victims
+from kvplug.core.groups import GroupKind
+from kvplug.errors import ConfigError
+from kvplug.policies.base import EvictionPolicy
+from kvplug.policies.cost import CostPolicy
+from kvplug.vllm.block_pool import BlockStanding, KVPlugBlockPool
+from kvplug.vllm.free_queue import PolicyFreeQueue
+from kvplug.vllm.stats import PoolStats
+
+CHOICE_VARIABLE = "KVPLUG_DENSE_CORE"
+CHOICES = ("auto", "0", "1")
+
+
+def dense_core_wanted() -> bool:
+    """Whether `pool_class` may build a `DenseCostPool` (``KVPLUG_DENSE_CORE``)."""
+    choice = os.environ.get(CHOICE_VARIABLE, "auto").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ConfigError(
+            f"{CHOICE_VARIABLE}={choice!r} is not a choice: use one of {', '.join(CHOICES)} "
+            "(auto: the dense core where it is compiled; 1: always; 0: never)"
+        )
+    return choice == "1" or (choice == "auto" and COMPILED)
+
+
+def dense_serves(policy: EvictionPolicy, group_kinds: Mapping[int, GroupKind] | None) -> bool:
+    """Whether `DenseCostPool` makes `policy`'s decisions for a model of `group_kinds`:
+    `cost` itself (not a subclass, which may rank otherwise), no sliding-window group."""
+    kinds = group_kinds or {}
+    return type(policy) is CostPolicy and GroupKind.SLIDING_WINDOW not in kinds.values()
+
+
+class DenseCostPool(KVPlugBlockPool):
+    """vLLM's `BlockPool` with `cost` deciding evictions through the dense core (see the
+    module doc). ``core`` is the `DenseCostCore`; ``_keys`` (by block id) is the hash the
+    pool accounts for, as in `KVPlugBlockPool`."""
+
+    core: DenseCostCore
+    tracked: ClassVar[bool] = True
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
+
+    def use_policy(
+        self,
+        policy: EvictionPolicy,
+        stats: PoolStats,
+        tree_groups: set[int] | None = None,
+        group_kinds: Mapping[int, GroupKind] | None = None,
+        windows: Mapping[int, int] | None = None,
+    ) -> None:
+        """`KVPlugBlockPool.use_policy`, for `cost` on a model without a sliding-window
+        group (`dense_serves`)."""
+        if self._num_keys:
+            raise RuntimeError("the policy can only be chosen while nothing is cached")
+        if not dense_serves(policy, group_kinds):
+            raise TypeError(
+                f"DenseCostPool serves kvplug's cost policy on models without a "
+                f"sliding-window group, not policy {policy.name!r} with groups "
+                f"{sorted(k.value for k in (group_kinds or {}).values())}: build the pool "
+                "as pool_class(policy, group_kinds)"
+            )
+        policy.bind(self.hash_block_size, self.num_gpu_blocks)
+        self._policy = policy
+        self.stats = stats
+        self.tree_groups = tree_groups
+        self.group_kinds = dict(group_kinds or {})
+        self.rules = None
+        if len(self._keys) != len(self.blocks):
+            self._keys = [None] * len(self.blocks)
+        self.core = DenseCostCore(
+            policy, len(self.blocks), self._keys, self.blocks, self._evicted, self.num_gpu_blocks
+        )
+        free = [b for b in self.blocks if not b.is_null]
+        self.free_block_queue = DenseFreeQueue(self, free)
+
+    def standing(self, block: KVCacheBlock) -> BlockStanding | None:
+        block_id = block.block_id
+        if self._keys[block_id] is None:
+            return None
+        core = self.core
+        return BlockStanding(
+            core.is_evictable(block_id),
+            core.is_held_elsewhere(block_id),
+            core.hit_count(block_id),
+            core.request_output_of(block_id),
+            core.entry(block_id)[0] if core.is_ranked(block_id) else None,
+        )
+
+    # -- vLLM's entry points -------------------------------------------------------------
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """`KVPlugBlockPool.touch`: a reuse counts a hit first; a tier's hold does not."""
+        keys, copies = self._keys, self._tier_copies
+        if not self.touch_counts_hits:
+            for block in blocks:
+                if block.ref_cnt == 0 and keys[block.block_id] is not None:
+                    copies.add(block.block_id)
+            BlockPool.touch(self, blocks)
+            return
+        hit: list[int] = []
+        for block in blocks:
+            key = keys[block.block_id]
+            if key is not None and key == block._block_hash:
+                hit.append(block.block_id)
+                if copies:
+                    copies.discard(block.block_id)
+        if hit:
+            self.core.hit_n(hit)
+            self.stats.block_hits += len(hit)
+        BlockPool.touch(self, blocks)
+
+    def cache_full_blocks(
+        self,
+        request: Any,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: list[bool] | None = None,
+    ) -> None:
+        """Cache blocks as vLLM does, then give each new block an identity below its
+        parent (full attention) or alone (other groups)."""
+        BlockPool.cache_full_blocks(
+            self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
+            kv_cache_group_id, block_mask,
+        )  # fmt: skip
+        if self.tree_groups is not None and kv_cache_group_id not in self.tree_groups:
+            for i in range(num_cached_blocks, num_full_blocks):
+                block = blocks[i]
+                if not block.is_null and block._block_hash is not None:
+                    self._record(block, -1)
+            return
+        parent = -1
+        if num_cached_blocks > 0:
+            before = blocks[num_cached_blocks - 1]
+            if self._keys[before.block_id] is not None:
+                parent = before.block_id
+        self._record_chain(blocks, num_cached_blocks, num_full_blocks, parent)
+
+    # -- called by PolicyFreeQueue ------------------------------------------------------
+    def on_free_n(
+        self, released: list[tuple[int, KVCacheBlock]], held_elsewhere: bool = False
+    ) -> None:
+        """`KVPlugBlockPool.on_free_n`: rank the blocks a request released, each with its
+        `from_end`; with `held_elsewhere`, as blocks another tier holds (they keep their
+        last release's standing, lowered to a reload's price)."""
+        keys, copies, core = self._keys, self._tier_copies, self.core
+        if copies and not held_elsewhere:
+            returned = [item for item in released if item[1].block_id in copies]
+            if returned:
+                released = [item for item in released if item[1].block_id not in copies]
+                self._restore(returned)
+        nodes: list[int] = []
+        ends: list[int] = []
+        for from_end, block in released:
+            block_id = block.block_id
+            if copies:
+                copies.discard(block_id)
+            if keys[block_id] != block._block_hash:  # a hash not cached by cache_full_blocks
+                if nodes:  # rank the blocks before it first, as one at a time would
+                    self._release(nodes, ends, held_elsewhere)
+                    nodes, ends = [], []
+                self._record(block, -1)
+            if held_elsewhere:
+                if not core.is_held_elsewhere(block_id):
+                    core.held_elsewhere(block_id, True)
+            else:
+                ends.append(from_end)
+            nodes.append(block_id)
+        if nodes:
+            self._release(nodes, ends, held_elsewhere)
+
+    def _release(self, nodes: list[int], ends: list[int], held_elsewhere: bool) -> None:
+        if held_elsewhere:
+            self.core.restore_n(nodes)
+        else:
+            releasing = self.releasing
+            self.core.release_n(nodes, ends, releasing.request_hit, releasing.output_tokens)
+
+    def _restore(self, returned: list[tuple[int, KVCacheBlock]]) -> None:
+        """Blocks a tier took while free and gave back keep the standing of their last
+        release; a block whose hash changed meanwhile is released anew."""
+        keys, copies = self._keys, self._tier_copies
+        kept: list[int] = []
+        anew: list[tuple[int, KVCacheBlock]] = []
+        for item in returned:
+            block = item[1]
+            copies.discard(block.block_id)
+            if keys[block.block_id] == block._block_hash:
+                kept.append(block.block_id)
+            else:
+                anew.append(item)
+        if kept:
+            self.core.restore_n(kept)
+        if anew:
+            self.on_free_n(anew)
+
+    def mark_held_elsewhere(self, blocks: Iterable[KVCacheBlock]) -> None:
+        keys, core = self._keys, self.core
+        for block in blocks:
+            if keys[block.block_id] is not None and keys[block.block_id] == block._block_hash:
+                core.held_elsewhere(block.block_id, True)
+
+    def on_unfree(self, block: KVCacheBlock) -> None:
+        self.core.reclaim(block.block_id)
+
+    def evict_n(self, n: int) -> list[KVCacheBlock]:
+        """The dense core's next `n` victims, in order, forgotten and counted (the core
+        clears their keys and notes them as recent victims, `on_evicted`'s work)."""
+        victims: list[KVCacheBlock] = self.core.pop_victims(n)
+        self._num_keys -= len(victims)
+        self.stats.evictions += len(victims)
+        if len(victims) < n:  # unreachable while the child counts are exact
+            stranded = []
+            while len(victims) + len(stranded) < n:
+                block = self.free_block_queue.any_cached(victims + stranded)
+                self.forget(block)
+                stranded.append(block)
+            self.on_evicted(stranded)
+            victims += stranded
+        return victims
+
+    def iter_victims(self, gone: Sequence[KVCacheBlock] = ()) -> Iterator[KVCacheBlock]:
+        blocks = self.blocks
+        for block_id in iter_victims(self.core, [block.block_id for block in gone]):
+            yield blocks[block_id]
+
+    def evict_next(self, taken: Sequence[KVCacheBlock] = ()) -> KVCacheBlock:
+        block_id = self.core.next_victim()
+        # -1 is unreachable while the child counts are exact; never strand a free block
+        block = self.blocks[block_id] if block_id >= 0 else self.free_block_queue.any_cached(taken)
+        self.forget(block)
+        return block
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _record(self, block: KVCacheBlock, parent: Any) -> Any:  # type: ignore[override]
+        """`block` under its current hash, given an identity below `parent` (a block id;
+        -1 or None: none) if it has none yet; returns its block id."""
+        key = block._block_hash
+        block_id = block.block_id
+        if self._keys[block_id] == key:
+            return block_id
+        self._adopt(block, key)
+        size = self.hash_block_size
+        depth = (block._block_hash_num_tokens or size) // size - 1
+        self.core.insert_chain(
+            [block_id], [depth if depth > 0 else 0], -1 if parent is None else parent
+        )
+        return block_id
+
+    def _record_chain(  # type: ignore[override]
+        self, blocks: list[KVCacheBlock], start: int, end: int, parent: int
+    ) -> None:
+        """`_record` for each block of ``blocks[start:end]`` that holds a hash, each below
+        the one before it (the first below `parent`; a block without a hash breaks the
+        chain), the new ones given identities a run at a time."""
+        keys, evicted, insert_chain = self._keys, self._evicted, self.core.insert_chain
+        size = self.hash_block_size
+        run: list[int] = []
+        depths: list[int] = []
+        recorded = churn = 0
+        for i in range(start, end):
+            block = blocks[i]
+            key = block._block_hash
+            if block.is_null or key is None:
+                if run:
+                    insert_chain(run, depths, parent)
+                run, depths, parent = [], [], -1
+                continue
+            block_id = block.block_id
+            if keys[block_id] is not None:  # recorded already, or under another hash
+                if run:
+                    insert_chain(run, depths, parent)
+                    parent = run[-1]
+                parent = self._record(block, parent)
+                run, depths = [], []
+                continue
+            if evicted.pop(key, 0) is None:
+                churn += 1
+            keys[block_id] = key
+            depth = (block._block_hash_num_tokens or size) // size - 1
+            depths.append(depth if depth > 0 else 0)
+            run.append(block_id)
+            recorded += 1
+        if run:
+            insert_chain(run, depths, parent)
+        self._num_keys += recorded
+        self.stats.churn += churn
+
+    def forget(self, block: KVCacheBlock) -> None:
+        """`block` no longer holds the hash the pool accounts for."""
+        self.core.remove(block.block_id)
+        self._keys[block.block_id] = None
+        self._num_keys -= 1
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if a module-level invariant does not hold."""
+        queue, core = self.free_block_queue, self.core
+        for block in self.blocks:
+            if block.is_null:
+                continue
+            states = [block.ref_cnt > 0, queue.is_fresh(block), queue.is_cached(block)]
+            assert sum(states) == 1, f"block {block.block_id}: held/fresh/cached = {states}"
+            key = self._keys[block.block_id]
+            if key is not None:
+                assert key == block.block_hash, f"block {block.block_id}: stale key"
+                assert core.is_live(block.block_id), f"block {block.block_id}: no identity"
+                assert core.is_evictable(block.block_id) == queue.is_cached(block), block.block_id
+            else:
+                assert not queue.is_cached(block), f"block {block.block_id}: cached, no key"
+                assert not core.is_live(block.block_id), f"block {block.block_id}: identity"
+        assert queue.num_free_blocks == sum(
+            1 for b in self.blocks if not b.is_null and b.ref_cnt == 0
+        )
+        assert self._num_keys == sum(1 for key in self._keys if key is not None)
+        for block_id in self._tier_copies:
+            assert self.blocks[block_id].ref_cnt > 0, f"block {block_id}: a tier's copy, free"
+        core.check_invariants()
+
+
+class DenseFreeQueue(PolicyFreeQueue):
+    """`PolicyFreeQueue` whose cached blocks are the dense core's evictable ones: no set of
+    its own to keep (a cached block is exactly an evictable identity, an invariant both
+    pools check), and the core's victims come out counted (`DenseCostPool.evict_n`)."""
+
+    pool: DenseCostPool
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._fresh_entry) + self.pool.core.evictable_count()
+
+    def popleft(self) -> KVCacheBlock:
+        return self.popleft_n(1)[0]
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        taken: list[KVCacheBlock] = []
+        fresh, live = self._fresh, self._fresh_entry
+        while fresh and len(taken) < n:
+            block, serial = fresh.pop()
+            if live.get(block.block_id) == serial:
+                del live[block.block_id]
+                taken.append(block)
+        if len(taken) < n:
+            if len(taken) + self.pool.core.evictable_count() < n:
+                raise ValueError("Not enough free blocks are available")
+            taken += self._take_victims(n - len(taken))
+        return taken
+
+    def remove(self, block: KVCacheBlock) -> None:
+        if self._fresh_entry.pop(block.block_id, None) is not None:
+            return
+        if self._first_entry.pop(block.block_id, None) is not None and not self._first_entry:
+            self._first.clear()
+        self.pool.core.reclaim(block.block_id)
+
+    def append_n(self, blocks: Iterable[KVCacheBlock], held_elsewhere: bool = False) -> None:
+        caching = self.pool.enable_caching
+        released: list[tuple[int, KVCacheBlock]] = []
+        for item in enumerate(blocks):
+            block = item[1]
+            if caching and block._block_hash is not None:
+                released.append(item)
+            else:
+                self._push_fresh(block, first=False)
+        if released:
+            self.pool.on_free_n(released, held_elsewhere)
+
+    def is_cached(self, block: KVCacheBlock) -> bool:
+        return self.pool.core.is_evictable(block.block_id)
+
+    def cached_blocks(self) -> list[KVCacheBlock]:
+        """The cached blocks in the order they were freed (as `PolicyFreeQueue` keeps
+        them), so that the fallback of `any_cached` picks what the record pool's would."""
+        blocks = self.pool.blocks
+        return [blocks[block_id] for block_id in self.pool.core.evictable_nodes()]
+
+    def any_cached(self, taken: Sequence[KVCacheBlock] = ()) -> KVCacheBlock:
+        skip = {block.block_id for block in taken}
+        return next(b for b in self.cached_blocks() if b.block_id not in skip)
+
+    def make_all_fresh(self) -> None:
+        for block in self.cached_blocks():
+            self.remove(block)
+            self._push_fresh(block, first=True)
+
+    def _take_victims(self, n: int) -> list[KVCacheBlock]:
+        """Evict `n` cached blocks (there are that many): the lane's, then the core's."""
+        pool = self.pool
+        victims: list[KVCacheBlock] = []
+        lane, first = self._first_entry, self._first
+        while lane and len(victims) < n:
+            block, serial = first.popleft()
+            if lane.get(block.block_id) == serial:
+                del lane[block.block_id]
+                pool.forget(block)
+                victims.append(block)
+        if victims:
+            pool.on_evicted(victims)
+        if len(victims) < n:
+            victims += pool.evict_n(n - len(victims))
+        return victims

@@ -1,0 +1,201 @@
+"""The dense pool makes the record pool's decisions, compiled and as plain Python.
+
+`kvplug.vllm.dense_pool.DenseCostPool` serves `cost` over `kvplug.core.dense`, typed
+arrays by block id, where `KVPlugBlockPool` keeps a record per block and the generic
+eviction core. These tests drive vLLM's real KV cache manager over three pools on the
+same random operations: the record pool, the dense pool on the dense core as built here
+(compiled where a compiler was found at install), and the dense pool on the dense core's
+source run as plain Python. After every step all three must hold the same keys on the
+same blocks (so every eviction chose the same victim), count the same statistics, and
+have learned the same (inflation, trials and reuses per class, ghost history).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from itertools import count
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvplug[vllm]')")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import kvplug.core.dense  # noqa: E402
+from kvplug.core.groups import GroupKind  # noqa: E402
+from kvplug.errors import ConfigError  # noqa: E402
+from kvplug.policies import make_policy  # noqa: E402
+from kvplug.replay.arms.base import FRESH_UNIT_BASE  # noqa: E402
+from kvplug.replay.arms.vllm import VLLMStockArm  # noqa: E402
+from kvplug.vllm import dense_pool  # noqa: E402
+from kvplug.vllm.block_pool import KVPlugBlockPool, ReleaseOrderPool, pool_class  # noqa: E402
+from kvplug.vllm.dense_pool import CHOICE_VARIABLE, DenseCostPool  # noqa: E402
+
+F = FRESH_UNIT_BASE
+
+
+def _plain_python_core() -> type:
+    """`DenseCostCore` from the dense core's source, run by the interpreter (the build's
+    module may be the compiled one)."""
+    source = Path(kvplug.core.dense.__file__).with_name("dense.py")
+    spec = importlib.util.spec_from_file_location("kvplug_dense_plain", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not module.COMPILED
+    return module.DenseCostCore
+
+
+PLAIN_CORE = _plain_python_core()
+
+
+@contextmanager
+def dense_choice(value: str, core: type | None = None) -> Iterator[None]:
+    before = os.environ.get(CHOICE_VARIABLE)
+    os.environ[CHOICE_VARIABLE] = value
+    saved = dense_pool.DenseCostCore
+    if core is not None:
+        dense_pool.DenseCostCore = core  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        dense_pool.DenseCostCore = saved  # type: ignore[misc]
+        if before is None:
+            del os.environ[CHOICE_VARIABLE]
+        else:
+            os.environ[CHOICE_VARIABLE] = before
+
+
+def three_arms(capacity: int) -> list[VLLMStockArm]:
+    with dense_choice("0"):
+        record = VLLMStockArm(capacity, make_policy("cost"))
+    with dense_choice("1"):
+        built = VLLMStockArm(capacity, make_policy("cost"))
+    with dense_choice("1", PLAIN_CORE):
+        plain = VLLMStockArm(capacity, make_policy("cost"))
+    assert type(record.manager.block_pool) is KVPlugBlockPool
+    assert type(built.manager.block_pool) is DenseCostPool
+    assert type(plain.manager.block_pool.core) is PLAIN_CORE
+    return [record, built, plain]
+
+
+def state(arm: VLLMStockArm) -> tuple:
+    pool = arm.manager.block_pool
+    policy = pool.policy
+    return (
+        list(pool._keys),
+        pool.stats,
+        pool.num_cached_blocks(),
+        pool.get_num_free_blocks(),
+        policy.inflation,
+        list(policy._tried),
+        list(policy._reused),
+        list(policy._ghosts.items()),
+        dict(policy._classes),
+    )
+
+
+admit_ops = st.tuples(
+    st.just("admit"), st.integers(0, 2), st.integers(1, 8), st.lists(st.integers(0, 5), max_size=3)
+)
+grow_ops = st.tuples(st.just("grow"), st.integers(0, 7), st.integers(1, 3))
+finish_ops = st.tuples(st.just("finish"), st.integers(0, 7), st.integers(0, 600))
+evict_ops = st.tuples(st.just("evict"), st.integers(0, 40))
+operations = st.lists(
+    st.one_of(admit_ops, admit_ops, grow_ops, finish_ops, evict_ops), min_size=20, max_size=80
+)
+prefix_sets = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=8), min_size=1, max_size=3)
+
+
+@settings(max_examples=80, deadline=None)
+@given(capacity=st.integers(2, 24), prefixes=prefix_sets, ops=operations)
+def test_dense_pools_decide_as_the_record_pool(capacity, prefixes, ops):
+    arms = three_arms(capacity)
+    fresh = count(F)
+    running: list[int] = []
+    for req_id, op in enumerate(ops):
+        if op[0] == "admit":
+            _, which, cut, tail = op
+            prompt = prefixes[which % len(prefixes)][:cut] + list(tail) + [next(fresh)]
+            admitted = {arm.admit(req_id, prompt, len(prompt) - 1) is not None for arm in arms}
+            assert len(admitted) == 1
+            if admitted.pop():
+                running.append(req_id)
+        elif running and op[0] == "grow":
+            units = [next(fresh) for _ in range(op[2])]
+            grown = {arm.grow(running[op[1] % len(running)], units) for arm in arms}
+            assert len(grown) == 1
+        elif running and op[0] == "finish":
+            req = running.pop(op[1] % len(running))
+            for arm in arms:
+                arm.finish(req, op[2])
+        elif op[0] == "evict":  # a KV connector evicts a block on request (cached or not)
+            for arm in arms:
+                pool = arm.manager.block_pool
+                block = pool.blocks[1 + op[1] % capacity]
+                if block._block_hash is not None:
+                    pool.evict_blocks({block.block_id})
+        states = [state(arm) for arm in arms]
+        assert states[1] == states[0], f"compiled dense pool differs after {op}"
+        assert states[2] == states[0], f"plain-Python dense pool differs after {op}"
+        for arm in arms:
+            arm.manager.block_pool.check_invariants()
+
+
+def test_the_free_queue_walks_the_dense_pools_eviction_order():
+    """What a tier walking the free queue from its head sees (vLLM's lazy offload,
+    LMCache's drain) is the order the next allocations evict, in both pools."""
+    arms = three_arms(6)
+    for arm in arms:
+        for req, prompt in enumerate([[1, 2, 3, F], [1, 2, 4, F + 1], [5, 6, F + 2]]):
+            assert arm.admit(req, prompt, len(prompt) - 1) is not None
+        arm.admit(10, [1, 2, 3, F + 3], 3)  # a hit on the first prefix
+        for req in (0, 1, 2, 10):
+            arm.finish(req, 40)
+    orders = []
+    for arm in arms:
+        queue = arm.manager.block_pool.free_block_queue
+        walked = [block.block_id for block in queue.get_all_free_blocks()]
+        handed = [b.block_id for b in arm.manager.block_pool.get_new_blocks(len(walked))]
+        assert walked == handed
+        orders.append(walked)
+    assert orders[0] == orders[1] == orders[2]
+
+
+def test_pool_class_chooses_the_dense_pool_for_cost_only(monkeypatch):
+    monkeypatch.setenv(CHOICE_VARIABLE, "1")
+    assert pool_class(make_policy("cost")) is DenseCostPool
+    assert pool_class(make_policy("cost"), {0: GroupKind.FULL, 1: GroupKind.MAMBA}) is (
+        DenseCostPool
+    )
+    sliding = {0: GroupKind.FULL, 1: GroupKind.SLIDING_WINDOW}
+    assert pool_class(make_policy("cost"), sliding) is KVPlugBlockPool
+    assert pool_class(make_policy("lfu")) is KVPlugBlockPool
+    assert pool_class(make_policy("lru")) is ReleaseOrderPool
+    monkeypatch.setenv(CHOICE_VARIABLE, "0")
+    assert pool_class(make_policy("cost")) is KVPlugBlockPool
+    monkeypatch.setenv(CHOICE_VARIABLE, "auto")
+    expected = DenseCostPool if kvplug.core.dense.COMPILED else KVPlugBlockPool
+    assert pool_class(make_policy("cost")) is expected
+
+
+def test_a_bad_choice_is_refused_with_the_choices(monkeypatch):
+    monkeypatch.setenv(CHOICE_VARIABLE, "yes")
+    with pytest.raises(ConfigError, match="KVPLUG_DENSE_CORE='yes'.*auto, 0, 1"):
+        pool_class(make_policy("cost"))
+
+
+def test_the_dense_pool_refuses_what_it_cannot_serve():
+    arm = VLLMStockArm(4, make_policy("cost"))
+    pool = arm.manager.block_pool
+    if not isinstance(pool, DenseCostPool):
+        pytest.skip("the dense core is not compiled here")
+    with pytest.raises(TypeError, match="sliding-window"):
+        pool.use_policy(make_policy("cost"), pool.stats, None, {1: GroupKind.SLIDING_WINDOW})
+    with pytest.raises(TypeError, match="'lfu'"):
+        pool.use_policy(make_policy("lfu"), pool.stats)
