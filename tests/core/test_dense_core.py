@@ -1,0 +1,222 @@
+"""The dense eviction core decides as the generic one running `cost`, compiled and not.
+
+`kvplug.core.dense.DenseCostCore` keeps `cost`'s state in typed arrays by block id;
+`kvplug.core.eviction.EvictionCore` with `kvplug.policies.cost.CostPolicy` keeps it on
+node records. Random operation sequences (caching chains, releases with what the
+releasing request knew, hits, reclaims, invalidations, evictions, another tier taking a
+copy and giving a block back) run on the generic core and on the dense core, both as
+built here (compiled where a compiler was found) and from its source run as plain
+Python: every victim, rank, learned tally and ghost must agree, and every invariant hold.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvplug.core.dense
+from kvplug.core.eviction import EvictionCore, live_parent
+from kvplug.policies import make_policy
+
+
+class Node:
+    """A cached block as `EvictionCore` and `CostPolicy` read it."""
+
+    def __init__(self, serial: int, key: bytes, depth: int) -> None:
+        self.serial = serial
+        self.key = key
+        self.depth = depth
+        self.hits = 0
+        self.from_end = 0
+        self.request_hit = False
+        self.request_output = 0
+        self.held_elsewhere = False
+        self.parent: Node | None = None
+        self.parent_serial = -1
+        self.cached_children = 0
+        self.evictable = False
+
+
+def _plain_core() -> type:
+    source = Path(kvplug.core.dense.__file__).with_name("dense.py")
+    spec = importlib.util.spec_from_file_location("kvplug_dense_plain_core", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DenseCostCore
+
+
+CORES = [kvplug.core.dense.DenseCostCore, _plain_core()]
+SIZE = 16
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("cache"), st.lists(st.integers(0, SIZE - 1), min_size=1, max_size=5)),
+        st.tuples(st.just("release"), st.integers(0, 3), st.booleans(), st.integers(0, 5000)),
+        st.tuples(st.just("hit"), st.integers(0, SIZE - 1)),
+        st.tuples(st.just("drop"), st.integers(0, SIZE - 1)),
+        st.tuples(st.just("evict"), st.integers(1, 4)),
+        st.tuples(st.just("tier"), st.integers(0, SIZE - 1)),
+        st.tuples(st.just("restore"), st.integers(0, 3)),
+    ),
+    min_size=10,
+    max_size=80,
+)
+
+
+class Generic:
+    """The generic core over `Node` records, the reference."""
+
+    def __init__(self, tier_pricing: bool) -> None:
+        self.policy = make_policy("cost", {"tier_pricing": tier_pricing})
+        self.policy.bind(16, SIZE)
+        self.core: EvictionCore[Node] = EvictionCore(self.policy)
+        self.nodes: list[Node | None] = [None] * SIZE
+        self.serials = 0
+
+    def cache(self, ids: list[int], keys: list[bytes], parent: int) -> None:
+        made = []
+        for block_id, key in zip(ids, keys, strict=True):
+            node = Node(self.serials, key, len(made))
+            self.serials += 1
+            self.nodes[block_id] = node
+            made.append(node)
+        self.core.insert_chain(made, None if parent < 0 else self.nodes[parent])
+
+    def node(self, block_id: int) -> Node:
+        found = self.nodes[block_id]
+        assert found is not None
+        return found
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, tier_pricing=st.booleans())
+def test_the_dense_core_decides_as_the_generic_core(ops, tier_pricing):
+    generic = Generic(tier_pricing)
+    dense = []
+    for core_class in CORES:
+        policy = make_policy("cost", {"tier_pricing": tier_pricing})
+        policy.bind(16, SIZE)
+        keys: list = [None] * SIZE
+        dense.append((core_class(policy, SIZE, keys), policy, keys))
+    held: list[int] = []  # cached, not evictable, in caching order
+    taken: list[int] = []  # evictable blocks another tier holds while it copies them
+    stamp = 0
+    for op in ops:
+        if op[0] == "cache":
+            ids = [i for i in dict.fromkeys(op[1]) if generic.nodes[i] is None]
+            if not ids:
+                continue
+            parent = held[-1] if held and generic.node(held[-1]).cached_children == 0 else -1
+            keys_made = []
+            for _ in ids:
+                stamp += 1
+                keys_made.append(b"k%d" % (stamp % 23))  # keys come back: ghosts return
+            if len(set(keys_made)) < len(keys_made):
+                continue
+            live = {n.key for n in generic.nodes if n is not None}
+            if live & set(keys_made):
+                continue
+            generic.cache(ids, keys_made, parent)
+            for core, _, keys in dense:
+                for block_id, key in zip(ids, keys_made, strict=True):
+                    keys[block_id] = key
+                core.insert_chain(ids, list(range(len(ids))), parent)
+            held += ids
+        elif op[0] == "release" and held:
+            ids = held[-1 - op[1] :]
+            del held[-1 - op[1] :]
+            ends = list(range(len(ids) - 1, -1, -1))
+            records = [generic.node(i) for i in ids]
+            for record, end in zip(records, ends, strict=True):
+                record.from_end, record.request_hit, record.request_output = end, op[2], op[3]
+            generic.core.release_n(records)
+            for core, _, _ in dense:
+                core.release_n(ids, ends, op[2], op[3])
+        elif op[0] == "hit" and generic.nodes[op[1]] is not None:
+            block_id = op[1]
+            generic.core.hit_n([generic.node(block_id)])
+            generic.core.reclaim(generic.node(block_id))
+            for core, _, _ in dense:
+                core.hit_n([block_id])
+                core.reclaim(block_id)
+            if block_id in taken:
+                taken.remove(block_id)
+            if block_id not in held:
+                held.append(block_id)
+        elif op[0] == "drop" and generic.nodes[op[1]] is not None:
+            block_id = op[1]
+            generic.core.remove(generic.node(block_id))
+            generic.node(block_id).serial = -1  # its identity ends: children see it
+            generic.nodes[block_id] = None
+            for core, _, keys in dense:
+                core.remove(block_id)
+                keys[block_id] = None
+            for queue in (held, taken):
+                if block_id in queue:
+                    queue.remove(block_id)
+        elif op[0] == "evict":
+            victims = [v.key for v in generic.core.pop_victims(op[1])]
+            for v in victims:
+                gone = next(i for i, n in enumerate(generic.nodes) if n is not None and n.key == v)
+                generic.node(gone).serial = -1
+                generic.nodes[gone] = None
+                if gone in taken:
+                    taken.remove(gone)
+            for core, _, keys in dense:
+                before = list(keys)
+                picked = core.pop_victims(op[1])
+                assert [before[i] for i in picked] == victims
+                assert all(keys[i] is None for i in picked)
+        elif op[0] == "tier" and generic.nodes[op[1]] is not None:
+            block_id = op[1]
+            record = generic.node(block_id)
+            if record.evictable and block_id not in taken:  # a tier holds it to copy it
+                generic.core.reclaim(record)
+                for core, _, _ in dense:
+                    core.reclaim(block_id)
+                taken.append(block_id)
+            else:
+                generic.core.held_elsewhere(record)
+                for core, _, _ in dense:
+                    core.held_elsewhere(block_id, True)
+        elif op[0] == "restore" and taken:
+            ids = taken[: op[1] + 1]
+            del taken[: op[1] + 1]
+            generic.core.restore_n([generic.node(i) for i in ids])
+            for core, _, _ in dense:
+                core.restore_n(ids)
+        expected = (
+            generic.policy.inflation,
+            list(generic.policy._tried),
+            list(generic.policy._reused),
+            list(generic.policy._ghosts.items()),
+            len(generic.core),
+            generic.core.num_evictable,
+        )
+        for core, policy, _ in dense:
+            core.check_invariants()
+            found = (
+                policy.inflation,
+                list(policy._tried),
+                list(policy._reused),
+                list(policy._ghosts.items()),
+                len(core),
+                core.evictable_count(),
+            )
+            assert found == expected, f"after {op}"
+            for block_id, record in enumerate(generic.nodes):
+                if record is None:
+                    assert not core.is_live(block_id)
+                    continue
+                assert core.is_evictable(block_id) == record.evictable
+                parent = live_parent(record)
+                live = core.live_parent(block_id)
+                assert (live if live >= 0 else None) == (
+                    None if parent is None else generic.nodes.index(parent)
+                )
+                if generic.policy.has_rank(record):
+                    assert core.entry(block_id)[0] == generic.policy.rank_of(record)
