@@ -202,15 +202,31 @@ class DenseCostCore:
             self.credit[node] = 0
             self.ranked[node] = 0
             above = node
-        if not ghosts:
-            return
-        for i in range(n):
-            node = nodes[i]
-            found = ghosts.pop(keys[node], None)
-            if found is not None:
-                ghost = found
-                self._close(ghost & 1023, True)
-                self.credit[node] = (ghost >> 10) + 1
+        if ghosts:
+            for i in range(n):
+                node = nodes[i]
+                found = ghosts.pop(keys[node], None)
+                if found is not None:
+                    ghost = found
+                    self._close(ghost & 1023, True)
+                    self.credit[node] = (ghost >> 10) + 1
+        self._inserted(nodes)
+
+    @cython.cfunc
+    def _inserted(self, nodes: list) -> cython.void:
+        """After `insert_chain`: a subclass's hook."""
+
+    @cython.cfunc
+    def _was_hit(self, node: cython.int) -> cython.void:
+        """After each hit of `hit_n`: a subclass's hook."""
+
+    @cython.cfunc
+    def _releasing(self) -> cython.void:
+        """Before `release_n` ranks its nodes: a subclass's hook."""
+
+    @cython.cfunc
+    def _released(self) -> cython.void:
+        """After `release_n` ranked its nodes: a subclass's hook."""
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
@@ -231,8 +247,10 @@ class DenseCostCore:
                 self.from_end[node] = ends[i]
                 self.request_hit[node] = request_hit
                 self.request_output[node] = output
+        self._releasing()
         for i in range(n):
             self._rank_release(nodes[i])
+        self._released()
         evictable: cython.char[:] = self.evictable
         children: cython.int[:] = self.children
         since: cython.longlong[:] = self.since
@@ -281,6 +299,7 @@ class DenseCostCore:
             if code >= 0:
                 trial[node] = -1
                 self._close(code, True)
+            self._was_hit(node)
 
     def reclaim(self, node: cython.int) -> None:
         """An evictable `node` is held again (a prefix hit); no-op if it is not."""
@@ -308,7 +327,7 @@ class DenseCostCore:
         self.tiers_seen = True
         if not self.ranked[node] or not self.held[node]:
             return
-        ranked: cython.double = self.inflation + self._credit(node)
+        ranked: cython.double = self._rank_now(node)
         if ranked >= self.rank[node]:
             return
         self.rank[node] = ranked
@@ -540,7 +559,16 @@ class DenseCostCore:
     @cython.cfunc
     def _rank_release(self, node: cython.int) -> cython.void:
         credit: cython.double = self._credit(node)
-        self.rank[node] = self.inflation + credit + 0.0
+        self._set_rank(node, self.inflation + credit + 0.0)
+
+    @cython.cfunc
+    def _rank_now(self, node: cython.int) -> cython.double:
+        """The rank `node` would be given now (`CostPolicy.rank`, opening its trial)."""
+        return self.inflation + self._credit(node)
+
+    @cython.cfunc
+    def _set_rank(self, node: cython.int, rank: cython.double) -> cython.void:
+        self.rank[node] = rank
         self.order[node] = self.releases * _ONE
         self.releases += 1
         self.ranked[node] = 1
@@ -616,6 +644,86 @@ class DenseCostCore:
             at = child
         self.heap[at] = node
         self.pos[node] = at
+
+
+@cython.cclass
+class DenseLearnedCore(DenseCostCore):
+    """`DenseCostCore` with `kvplug.policies.learned.LearnedPolicy`'s ranking: `cost`'s
+    credit, a running mean of credits, the sampled keys' releases, accesses and hits fed to
+    the policy's two shadows (which stay on the policy, as its referee does), and, while
+    the referee prefers release order, ranks in release order on `cost`'s scale. The
+    generic policy's decisions, rank for rank (the same differential tests)."""
+
+    sample: cython.char[:]  # the key of its identity is in the shadows' sample
+    mask: cython.int
+    mean: cython.double
+    lru_rank: cython.double
+    use_learned: cython.bint
+
+    def __init__(self, policy: Any, num_nodes: int, keys: list, *args: Any) -> None:
+        super().__init__(policy, num_nodes, keys, *args)
+        self.sample = array("b", [0]) * num_nodes
+        self.mask = (1 << policy.sample_shift) - 1
+        self.mean = policy._mean_credit
+        self.lru_rank = policy._lru_rank
+        self.use_learned = policy.use_learned
+
+    @cython.cfunc
+    def _inserted(self, nodes: list) -> cython.void:
+        node: cython.int
+        keys: list = self.keys
+        for node in nodes:
+            self.sample[node] = (keys[node][0] & self.mask) == 0
+        for node in nodes:
+            if self.sample[node]:
+                self.policy.shadow_access(keys[node], self.depth[node])
+
+    @cython.cfunc
+    def _was_hit(self, node: cython.int) -> cython.void:
+        if self.sample[node]:
+            self.policy.shadow_access(self.keys[node], self.depth[node])
+
+    @cython.cfunc
+    def _releasing(self) -> cython.void:
+        self.use_learned = self.policy.use_learned
+
+    @cython.cfunc
+    def _rank_release(self, node: cython.int) -> cython.void:
+        credit: cython.double = self._credit(node)
+        self.mean += (credit - self.mean) / 1024
+        if self.sample[node]:
+            key = self.keys[node]
+            self.policy._learned.release(key, credit)
+            self.policy._lru.release(key, 0.0)
+        if self.use_learned:
+            self._set_rank(node, self.inflation + credit + 0.0)
+            return
+        if self.inflation + self.mean > self.lru_rank:
+            self.lru_rank = self.inflation + self.mean
+        self._set_rank(node, self.lru_rank + 0.0)
+
+    @cython.cfunc
+    def _released(self) -> cython.void:
+        self.policy._mean_credit = self.mean
+        self.policy._lru_rank = self.lru_rank
+
+    @cython.cfunc
+    def _rank_now(self, node: cython.int) -> cython.double:
+        """`LearnedPolicy.rank` while the learned ranking is in use: the credit also moves
+        the running mean and reaches the shadows."""
+        credit: cython.double = self._credit(node)
+        self.mean += (credit - self.mean) / 1024
+        self.policy._mean_credit = self.mean
+        if self.sample[node]:
+            self.policy._learned.release(self.keys[node], credit)
+            self.policy._lru.release(self.keys[node], 0.0)
+        return self.inflation + credit
+
+    def tier_changed(self, node: cython.int) -> None:
+        if self.policy.use_learned:  # in release order, a tier changes nothing
+            DenseCostCore.tier_changed(self, node)
+        elif self.prices_tiers:
+            self.tiers_seen = True
 
 
 @cython.cfunc

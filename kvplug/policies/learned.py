@@ -141,11 +141,15 @@ class LearnedPolicy(CostPolicy):
         self._shadow_access(node)
 
     def _shadow_access(self, node: CachedNode) -> None:
-        if not sampled(node.key, self.sample_shift):
-            return
-        value = self.value(node)
-        self._learned.access(node.key, value)
-        self._lru.access(node.key, value)
+        if sampled(node.key, self.sample_shift):
+            self.shadow_access(node.key, node.depth)
+
+    def shadow_access(self, key: Any, depth: int) -> None:
+        """A sampled `key`, at `depth`, was accessed: both shadows see it, and every
+        `window` sampled accesses the referee chooses the ranking."""
+        value = self.value.at_depth(depth)
+        self._learned.access(key, value)
+        self._lru.access(key, value)
         self._sampled_accesses += 1
         if self._sampled_accesses % self.window == 0:
             self._referee()

@@ -1,14 +1,15 @@
-"""kvplug's vLLM pool over the dense eviction core: `cost`'s decisions at a compiled price.
+"""kvplug's vLLM pool over the dense eviction core: `cost` and `learned` at a compiled price.
 
 `DenseCostPool` is `kvplug.vllm.block_pool.KVPlugBlockPool` with its per-block records,
 eviction core and policy heap replaced by one `kvplug.core.dense.DenseCostCore`, which
 keeps every block's state in typed arrays indexed by vLLM's block id. It makes the
-decisions the record-based pool makes with `cost` (the same victims, in the same order,
-and the same learning: a differential test runs both on the same operations), so it
-serves `cost` wherever the record pool would, but for a model with a sliding-window group
-(whose hybrid rules need records).
+decisions the record-based pool makes with `cost` and with `learned`
+(`kvplug.core.dense.DenseLearnedCore`): the same victims, in the same order, and the same
+learning (a differential test runs both on the same operations). It serves them wherever
+the record pool would, but for a model with a sliding-window group (whose hybrid rules
+need records).
 
-`pool_class` builds it for a `cost` policy when the dense core is compiled (it is
+`pool_class` builds it for those policies when the dense core is compiled (it is
 built as a C extension at install where a compiler is present) and the model has no
 sliding-window group. ``KVPLUG_DENSE_CORE`` overrides the choice: ``0`` keeps the record
 pool, ``1`` uses the dense core even as plain Python (slower, for tests); the default,
@@ -28,11 +29,12 @@ from typing import Any, ClassVar
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from kvplug.core.dense import COMPILED, DenseCostCore, iter_victims
+from kvplug.core.dense import COMPILED, DenseCostCore, DenseLearnedCore, iter_victims
 from kvplug.core.groups import GroupKind
 from kvplug.errors import ConfigError
 from kvplug.policies.base import EvictionPolicy
 from kvplug.policies.cost import CostPolicy
+from kvplug.policies.learned import LearnedPolicy
 from kvplug.vllm.block_pool import BlockStanding, KVPlugBlockPool
 from kvplug.vllm.free_queue import PolicyFreeQueue
 from kvplug.vllm.stats import PoolStats
@@ -52,16 +54,24 @@ def dense_core_wanted() -> bool:
     return choice == "1" or (choice == "auto" and COMPILED)
 
 
+# the policies the dense core decides for, exactly these classes (a subclass may rank
+# otherwise), and the core that does
+DENSE_CORES: dict[type[EvictionPolicy], type[DenseCostCore]] = {
+    CostPolicy: DenseCostCore,
+    LearnedPolicy: DenseLearnedCore,
+}
+
+
 def dense_serves(policy: EvictionPolicy, group_kinds: Mapping[int, GroupKind] | None) -> bool:
     """Whether `DenseCostPool` makes `policy`'s decisions for a model of `group_kinds`:
-    `cost` itself (not a subclass, which may rank otherwise), no sliding-window group."""
+    `cost` or `learned` itself, no sliding-window group."""
     kinds = group_kinds or {}
-    return type(policy) is CostPolicy and GroupKind.SLIDING_WINDOW not in kinds.values()
+    return type(policy) in DENSE_CORES and GroupKind.SLIDING_WINDOW not in kinds.values()
 
 
 class DenseCostPool(KVPlugBlockPool):
-    """vLLM's `BlockPool` with `cost` deciding evictions through the dense core (see the
-    module doc). ``core`` is the `DenseCostCore`; ``_keys`` (by block id) is the hash the
+    """vLLM's `BlockPool` with `cost` or `learned` deciding evictions through the dense core
+    (see the module doc). ``core`` is the `DenseCostCore`; ``_keys`` (by block id) is the hash the
     pool accounts for, as in `KVPlugBlockPool`."""
 
     core: DenseCostCore
@@ -79,13 +89,13 @@ class DenseCostPool(KVPlugBlockPool):
         group_kinds: Mapping[int, GroupKind] | None = None,
         windows: Mapping[int, int] | None = None,
     ) -> None:
-        """`KVPlugBlockPool.use_policy`, for `cost` on a model without a sliding-window
-        group (`dense_serves`)."""
+        """`KVPlugBlockPool.use_policy`, for `cost` or `learned` on a model without a
+        sliding-window group (`dense_serves`)."""
         if self._num_keys:
             raise RuntimeError("the policy can only be chosen while nothing is cached")
         if not dense_serves(policy, group_kinds):
             raise TypeError(
-                f"DenseCostPool serves kvplug's cost policy on models without a "
+                f"DenseCostPool serves kvplug's cost and learned policies on models without a "
                 f"sliding-window group, not policy {policy.name!r} with groups "
                 f"{sorted(k.value for k in (group_kinds or {}).values())}: build the pool "
                 "as pool_class(policy, group_kinds)"
@@ -98,7 +108,8 @@ class DenseCostPool(KVPlugBlockPool):
         self.rules = None
         if len(self._keys) != len(self.blocks):
             self._keys = [None] * len(self.blocks)
-        self.core = DenseCostCore(
+        core_class = DENSE_CORES[type(policy)]
+        self.core = core_class(
             policy, len(self.blocks), self._keys, self.blocks, self._evicted, self.num_gpu_blocks
         )
         free = [b for b in self.blocks if not b.is_null]

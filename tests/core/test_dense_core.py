@@ -1,4 +1,5 @@
-"""The dense eviction core decides as the generic one running `cost`, compiled and not.
+"""The dense eviction cores decide as the generic one running `cost` and `learned`,
+compiled and not.
 
 `kvplug.core.dense.DenseCostCore` keeps `cost`'s state in typed arrays by block id;
 `kvplug.core.eviction.EvictionCore` with `kvplug.policies.cost.CostPolicy` keeps it on
@@ -14,7 +15,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import kvplug.core.dense
@@ -40,16 +42,26 @@ class Node:
         self.evictable = False
 
 
-def _plain_core() -> type:
+def _plain_module():
     source = Path(kvplug.core.dense.__file__).with_name("dense.py")
     spec = importlib.util.spec_from_file_location("kvplug_dense_plain_core", source)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.DenseCostCore
+    return module
 
 
-CORES = [kvplug.core.dense.DenseCostCore, _plain_core()]
+PLAIN = _plain_module()
+# per policy: its parameters (a small shadow and window, and a margin that asks the
+# learned shadow to save twice what the LRU one does, so that `learned` switches)
+# and the dense cores, as built and as plain Python
+POLICIES = {
+    "cost": ({}, [kvplug.core.dense.DenseCostCore, PLAIN.DenseCostCore]),
+    "learned": (
+        {"shadow_blocks": 4, "window": 3, "margin": -1.0},
+        [kvplug.core.dense.DenseLearnedCore, PLAIN.DenseLearnedCore],
+    ),
+}
 SIZE = 16
 
 ops = st.lists(
@@ -70,8 +82,8 @@ ops = st.lists(
 class Generic:
     """The generic core over `Node` records, the reference."""
 
-    def __init__(self, tier_pricing: bool) -> None:
-        self.policy = make_policy("cost", {"tier_pricing": tier_pricing})
+    def __init__(self, name: str, params: dict) -> None:
+        self.policy = make_policy(name, params)
         self.policy.bind(16, SIZE)
         self.core: EvictionCore[Node] = EvictionCore(self.policy)
         self.nodes: list[Node | None] = [None] * SIZE
@@ -92,13 +104,16 @@ class Generic:
         return found
 
 
+@pytest.mark.parametrize("name", list(POLICIES))
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, tier_pricing=st.booleans())
-def test_the_dense_core_decides_as_the_generic_core(ops, tier_pricing):
-    generic = Generic(tier_pricing)
+def test_the_dense_core_decides_as_the_generic_core(name, ops, tier_pricing):
+    params, cores = POLICIES[name]
+    params = {**params, "tier_pricing": tier_pricing}
+    generic = Generic(name, params)
     dense = []
-    for core_class in CORES:
-        policy = make_policy("cost", {"tier_pricing": tier_pricing})
+    for core_class in cores:
+        policy = make_policy(name, params)
         policy.bind(16, SIZE)
         keys: list = [None] * SIZE
         dense.append((core_class(policy, SIZE, keys), policy, keys))
@@ -114,7 +129,7 @@ def test_the_dense_core_decides_as_the_generic_core(ops, tier_pricing):
             keys_made = []
             for _ in ids:
                 stamp += 1
-                keys_made.append(b"k%d" % (stamp % 23))  # keys come back: ghosts return
+                keys_made.append(bytes([stamp % 23]) + b"k")  # keys come back: ghosts return
             if len(set(keys_made)) < len(keys_made):
                 continue
             live = {n.key for n in generic.nodes if n is not None}
@@ -196,7 +211,9 @@ def test_the_dense_core_decides_as_the_generic_core(ops, tier_pricing):
             list(generic.policy._ghosts.items()),
             len(generic.core),
             generic.core.num_evictable,
+            getattr(generic.policy, "explain", dict)(),
         )
+        event(f"{name}: referee switched" if getattr(generic.policy, "switches", 0) else name)
         for core, policy, _ in dense:
             core.check_invariants()
             found = (
@@ -206,6 +223,7 @@ def test_the_dense_core_decides_as_the_generic_core(ops, tier_pricing):
                 list(policy._ghosts.items()),
                 len(core),
                 core.evictable_count(),
+                getattr(policy, "explain", dict)(),
             )
             assert found == expected, f"after {op}"
             for block_id, record in enumerate(generic.nodes):

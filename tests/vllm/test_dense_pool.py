@@ -3,7 +3,7 @@
 `kvplug.vllm.dense_pool.DenseCostPool` serves `cost` over `kvplug.core.dense`, typed
 arrays by block id, where `KVPlugBlockPool` keeps a record per block and the generic
 eviction core. These tests drive vLLM's real KV cache manager over three pools on the
-same random operations: the record pool, the dense pool on the dense core as built here
+same random operations: the record pool, the dense pool on the dense core (`cost`'s, or `learned`'s) as built here
 (compiled where a compiler was found at install), and the dense pool on the dense core's
 source run as plain Python. After every step all three must hold the same keys on the
 same blocks (so every eviction chose the same victim), count the same statistics, and
@@ -30,6 +30,8 @@ import kvplug.core.dense  # noqa: E402
 from kvplug.core.groups import GroupKind  # noqa: E402
 from kvplug.errors import ConfigError  # noqa: E402
 from kvplug.policies import make_policy  # noqa: E402
+from kvplug.policies.cost import CostPolicy  # noqa: E402
+from kvplug.policies.learned import LearnedPolicy  # noqa: E402
 from kvplug.replay.arms.base import FRESH_UNIT_BASE  # noqa: E402
 from kvplug.replay.arms.vllm import VLLMStockArm  # noqa: E402
 from kvplug.vllm import dense_pool  # noqa: E402
@@ -39,48 +41,50 @@ from kvplug.vllm.dense_pool import CHOICE_VARIABLE, DenseCostPool  # noqa: E402
 F = FRESH_UNIT_BASE
 
 
-def _plain_python_core() -> type:
-    """`DenseCostCore` from the dense core's source, run by the interpreter (the build's
-    module may be the compiled one)."""
+def _plain_python_cores() -> dict[type, type]:
+    """The dense cores from the dense core's source, run by the interpreter (the build's
+    module may be the compiled one), by the policy each decides for."""
     source = Path(kvplug.core.dense.__file__).with_name("dense.py")
     spec = importlib.util.spec_from_file_location("kvplug_dense_plain", source)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert not module.COMPILED
-    return module.DenseCostCore
+    return {CostPolicy: module.DenseCostCore, LearnedPolicy: module.DenseLearnedCore}
 
 
-PLAIN_CORE = _plain_python_core()
+PLAIN_CORES = _plain_python_cores()
+POLICIES = {"cost": {}, "learned": {"shadow_blocks": 4, "window": 6, "margin": -1.0}}
 
 
 @contextmanager
-def dense_choice(value: str, core: type | None = None) -> Iterator[None]:
+def dense_choice(value: str, cores: dict[type, type] | None = None) -> Iterator[None]:
     before = os.environ.get(CHOICE_VARIABLE)
     os.environ[CHOICE_VARIABLE] = value
-    saved = dense_pool.DenseCostCore
-    if core is not None:
-        dense_pool.DenseCostCore = core  # type: ignore[misc]
+    saved = dict(dense_pool.DENSE_CORES)
+    if cores is not None:
+        dense_pool.DENSE_CORES.update(cores)
     try:
         yield
     finally:
-        dense_pool.DenseCostCore = saved  # type: ignore[misc]
+        dense_pool.DENSE_CORES.update(saved)
         if before is None:
             del os.environ[CHOICE_VARIABLE]
         else:
             os.environ[CHOICE_VARIABLE] = before
 
 
-def three_arms(capacity: int) -> list[VLLMStockArm]:
+def three_arms(capacity: int, policy: str = "cost") -> list[VLLMStockArm]:
+    params = POLICIES[policy]
     with dense_choice("0"):
-        record = VLLMStockArm(capacity, make_policy("cost"))
+        record = VLLMStockArm(capacity, make_policy(policy, params))
     with dense_choice("1"):
-        built = VLLMStockArm(capacity, make_policy("cost"))
-    with dense_choice("1", PLAIN_CORE):
-        plain = VLLMStockArm(capacity, make_policy("cost"))
+        built = VLLMStockArm(capacity, make_policy(policy, params))
+    with dense_choice("1", PLAIN_CORES):
+        plain = VLLMStockArm(capacity, make_policy(policy, params))
     assert type(record.manager.block_pool) is KVPlugBlockPool
     assert type(built.manager.block_pool) is DenseCostPool
-    assert type(plain.manager.block_pool.core) is PLAIN_CORE
+    assert type(plain.manager.block_pool.core) in PLAIN_CORES.values()
     return [record, built, plain]
 
 
@@ -97,6 +101,8 @@ def state(arm: VLLMStockArm) -> tuple:
         list(policy._reused),
         list(policy._ghosts.items()),
         dict(policy._classes),
+        getattr(policy, "explain", dict)(),
+        getattr(policy, "_mean_credit", None),
     )
 
 
@@ -112,10 +118,11 @@ operations = st.lists(
 prefix_sets = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=8), min_size=1, max_size=3)
 
 
+@pytest.mark.parametrize("policy", list(POLICIES))
 @settings(max_examples=80, deadline=None)
 @given(capacity=st.integers(2, 24), prefixes=prefix_sets, ops=operations)
-def test_dense_pools_decide_as_the_record_pool(capacity, prefixes, ops):
-    arms = three_arms(capacity)
+def test_dense_pools_decide_as_the_record_pool(policy, capacity, prefixes, ops):
+    arms = three_arms(capacity, policy)
     fresh = count(F)
     running: list[int] = []
     for req_id, op in enumerate(ops):
@@ -175,6 +182,7 @@ def test_pool_class_chooses_the_dense_pool_for_cost_only(monkeypatch):
     )
     sliding = {0: GroupKind.FULL, 1: GroupKind.SLIDING_WINDOW}
     assert pool_class(make_policy("cost"), sliding) is KVPlugBlockPool
+    assert pool_class(make_policy("learned")) is DenseCostPool
     assert pool_class(make_policy("lfu")) is KVPlugBlockPool
     assert pool_class(make_policy("lru")) is ReleaseOrderPool
     monkeypatch.setenv(CHOICE_VARIABLE, "0")
