@@ -3,11 +3,12 @@
 `kvplug.vllm.dense_pool.DenseCostPool` serves `cost` over `kvplug.core.dense`, typed
 arrays by block id, where `KVPlugBlockPool` keeps a record per block and the generic
 eviction core. These tests drive vLLM's real KV cache manager over three pools on the
-same random operations: the record pool, the dense pool on the dense core (`cost`'s, or `learned`'s) as built here
-(compiled where a compiler was found at install), and the dense pool on the dense core's
-source run as plain Python. After every step all three must hold the same keys on the
-same blocks (so every eviction chose the same victim), count the same statistics, and
-have learned the same (inflation, trials and reuses per class, ghost history).
+same random operations: the record pool, the dense pool on the dense core (`cost`'s or
+`learned`'s) as built here (compiled where a compiler was found at install), and the
+dense pool on the dense core's source run as plain Python. After every step all three
+must hold the same keys on the same blocks (so every eviction chose the same victim),
+count the same statistics, and have learned the same (inflation, trials and reuses per
+class, ghost history, and `learned`'s referee and shadows).
 """
 
 from __future__ import annotations
