@@ -84,7 +84,7 @@ class DenseCostCore:
     probability: cython.double[:]
     known: cython.char[:]  # probability[code] is current
     size: cython.int
-    num_evictable: cython.Py_ssize_t
+    num_evictable = cython.declare(cython.Py_ssize_t, visibility="readonly")
     next_serial: cython.longlong
     releases: cython.longlong
     entered: cython.longlong

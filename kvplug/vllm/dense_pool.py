@@ -129,6 +129,10 @@ class DenseCostPool(KVPlugBlockPool):
         )
 
     # -- vLLM's entry points -------------------------------------------------------------
+    def get_num_free_blocks(self) -> int:
+        # vLLM asks for every scheduled request: the queue's count, read without its calls
+        return len(self.free_block_queue._fresh_entry) + self.core.num_evictable
+
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """`KVPlugBlockPool.touch`: a reuse counts a hit first; a tier's hold does not."""
         keys, copies = self._keys, self._tier_copies
@@ -396,16 +400,41 @@ class DenseFreeQueue(PolicyFreeQueue):
         self.pool.core.reclaim(block.block_id)
 
     def append_n(self, blocks: Iterable[KVCacheBlock], held_elsewhere: bool = False) -> None:
-        caching = self.pool.enable_caching
-        released: list[tuple[int, KVCacheBlock]] = []
+        """`PolicyFreeQueue.append_n`. A request's release (no tier involved, every hash
+        the one its block was cached under: the usual case) goes to the dense core in one
+        pass; anything else through `DenseCostPool.on_free_n`."""
+        pool = self.pool
+        caching = pool.enable_caching
+        if held_elsewhere or pool._tier_copies or not caching:
+            released = []
+            for item in enumerate(blocks):
+                block = item[1]
+                if caching and block._block_hash is not None:
+                    released.append(item)
+                else:
+                    self._push_fresh(block, first=False)
+            if released:
+                pool.on_free_n(released, held_elsewhere)
+            return
+        keys = pool._keys
+        nodes: list[int] = []
+        ends: list[int] = []
+        odd: list[tuple[int, KVCacheBlock]] = []  # a hash the pool does not account for
         for item in enumerate(blocks):
             block = item[1]
-            if caching and block._block_hash is not None:
-                released.append(item)
-            else:
+            key = block._block_hash
+            if key is None:
                 self._push_fresh(block, first=False)
-        if released:
-            self.pool.on_free_n(released, held_elsewhere)
+            elif odd or keys[block.block_id] != key:
+                odd.append(item)
+            else:
+                nodes.append(block.block_id)
+                ends.append(item[0])
+        if nodes:
+            releasing = pool.releasing
+            pool.core.release_n(nodes, ends, releasing.request_hit, releasing.output_tokens)
+        if odd:  # the rest in order, as `on_free_n` would, after the blocks before them
+            pool.on_free_n(odd)
 
     def is_cached(self, block: KVCacheBlock) -> bool:
         return self.pool.core.is_evictable(block.block_id)
