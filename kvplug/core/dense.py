@@ -77,6 +77,13 @@ class DenseCostCore:
     rank: cython.double[:]
     order: cython.longlong[:]
     since: cython.longlong[:]  # when it last became evictable, in evictions' count
+    # blocks holding no key and no holder, a list in hand-out order (`push_fresh`)
+    fresh_next: cython.int[:]
+    fresh_prev: cython.int[:]
+    in_fresh: cython.char[:]
+    fresh_head: cython.int
+    fresh_tail: cython.int
+    num_fresh = cython.declare(cython.Py_ssize_t, visibility="readonly")
     heap: cython.int[:]
     pos: cython.int[:]
     tried: cython.longlong[:]
@@ -136,6 +143,12 @@ class DenseCostCore:
         self.rank = array("d", [0.0]) * n
         self.order = array("q", [0]) * n
         self.since = array("q", [0]) * n
+        self.fresh_next = array("i", [-1]) * n
+        self.fresh_prev = array("i", [-1]) * n
+        self.in_fresh = array("b", [0]) * n
+        self.fresh_head = -1
+        self.fresh_tail = -1
+        self.num_fresh = 0
         self.entered = 0
         self.heap = array("i", [0]) * max(n, 1)
         self.pos = array("i", [-1]) * n
@@ -404,6 +417,92 @@ class DenseCostCore:
             return -1
         self.chosen_serial = self.serial[self.heap[0]]
         return self.heap[0]
+
+    # -- the fresh list: free blocks that hold nothing reusable ---------------------------
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def push_fresh(self, blocks: list, first: cython.bint) -> None:
+        """Free `blocks` (objects with a ``block_id``) that hold nothing reusable: with
+        `first`, to go out before every fresh block, ``blocks[0]`` first; else after every
+        one, in order. A block already in the list moves."""
+        n: cython.Py_ssize_t = len(blocks)
+        i: cython.Py_ssize_t
+        node: cython.int
+        if first:
+            for i in range(n - 1, -1, -1):
+                node = blocks[i].block_id
+                self._fresh_unlink(node)
+                self.fresh_prev[node] = -1
+                self.fresh_next[node] = self.fresh_head
+                if self.fresh_head >= 0:
+                    self.fresh_prev[self.fresh_head] = node
+                else:
+                    self.fresh_tail = node
+                self.fresh_head = node
+                self.in_fresh[node] = 1
+                self.num_fresh += 1
+        else:
+            for i in range(n):
+                node = blocks[i].block_id
+                self._fresh_unlink(node)
+                self.fresh_next[node] = -1
+                self.fresh_prev[node] = self.fresh_tail
+                if self.fresh_tail >= 0:
+                    self.fresh_next[self.fresh_tail] = node
+                else:
+                    self.fresh_head = node
+                self.fresh_tail = node
+                self.in_fresh[node] = 1
+                self.num_fresh += 1
+
+    def pop_fresh(self, n: cython.Py_ssize_t) -> list:
+        """Up to `n` fresh blocks from the head of the list, taken out of it (the cache's
+        objects)."""
+        taken: list = []
+        node: cython.int
+        objects = self.objects
+        while n > 0 and self.fresh_head >= 0:
+            node = self.fresh_head
+            self._fresh_unlink(node)
+            taken.append(objects[node])
+            n -= 1
+        return taken
+
+    def remove_fresh(self, node: cython.int) -> bool:
+        """Take `node` out of the fresh list; whether it was there."""
+        if not self.in_fresh[node]:
+            return False
+        self._fresh_unlink(node)
+        return True
+
+    def is_fresh(self, node: cython.int) -> bool:
+        return bool(self.in_fresh[node])
+
+    def fresh_nodes(self) -> list[int]:
+        """The fresh blocks' ids in hand-out order."""
+        found = []
+        node: cython.int = self.fresh_head
+        while node >= 0:
+            found.append(node)
+            node = self.fresh_next[node]
+        return found
+
+    @cython.cfunc
+    def _fresh_unlink(self, node: cython.int) -> cython.void:
+        if not self.in_fresh[node]:
+            return
+        before: cython.int = self.fresh_prev[node]
+        after: cython.int = self.fresh_next[node]
+        if before >= 0:
+            self.fresh_next[before] = after
+        else:
+            self.fresh_head = after
+        if after >= 0:
+            self.fresh_prev[after] = before
+        else:
+            self.fresh_tail = before
+        self.in_fresh[node] = 0
+        self.num_fresh -= 1
 
     # -- what the cache reads ------------------------------------------------------------
     def __len__(self) -> int:

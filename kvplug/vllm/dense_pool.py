@@ -131,7 +131,7 @@ class DenseCostPool(KVPlugBlockPool):
     # -- vLLM's entry points -------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
         # vLLM asks for every scheduled request: the queue's count, read without its calls
-        return len(self.free_block_queue._fresh_entry) + self.core.num_evictable
+        return self.core.num_fresh + self.core.num_evictable
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """`KVPlugBlockPool.touch`: a reuse counts a hit first; a tier's hold does not."""
@@ -365,39 +365,42 @@ class DenseCostPool(KVPlugBlockPool):
 
 
 class DenseFreeQueue(PolicyFreeQueue):
-    """`PolicyFreeQueue` whose cached blocks are the dense core's evictable ones: no set of
-    its own to keep (a cached block is exactly an evictable identity, an invariant both
-    pools check), and the core's victims come out counted (`DenseCostPool.evict_n`)."""
+    """`PolicyFreeQueue` kept in the dense core: its fresh blocks are the core's fresh
+    list (`DenseCostCore.push_fresh`) and its cached blocks the core's evictable ones (an
+    invariant both pools check), so freeing, handing out and taking back a block costs no
+    Python object; the core's victims come out counted (`DenseCostPool.evict_n`). The
+    evict-first lane stays the parent class's."""
 
     pool: DenseCostPool
 
+    def __init__(self, pool: DenseCostPool, blocks: list[KVCacheBlock]) -> None:
+        super().__init__(pool, [])
+        self.core = pool.core
+        self.core.push_fresh(blocks, True)
+
     @property
     def num_free_blocks(self) -> int:
-        return len(self._fresh_entry) + self.pool.core.evictable_count()
+        return self.core.num_fresh + self.core.num_evictable
 
     def popleft(self) -> KVCacheBlock:
         return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        taken: list[KVCacheBlock] = []
-        fresh, live = self._fresh, self._fresh_entry
-        while fresh and len(taken) < n:
-            block, serial = fresh.pop()
-            if live.get(block.block_id) == serial:
-                del live[block.block_id]
-                taken.append(block)
+        core = self.core
+        taken: list[KVCacheBlock] = core.pop_fresh(n) if core.num_fresh else []
         if len(taken) < n:
-            if len(taken) + self.pool.core.evictable_count() < n:
+            if len(taken) + core.num_evictable < n:
                 raise ValueError("Not enough free blocks are available")
             taken += self._take_victims(n - len(taken))
         return taken
 
     def remove(self, block: KVCacheBlock) -> None:
-        if self._fresh_entry.pop(block.block_id, None) is not None:
+        core = self.core
+        if core.remove_fresh(block.block_id):
             return
         if self._first_entry.pop(block.block_id, None) is not None and not self._first_entry:
             self._first.clear()
-        self.pool.core.reclaim(block.block_id)
+        core.reclaim(block.block_id)
 
     def append_n(self, blocks: Iterable[KVCacheBlock], held_elsewhere: bool = False) -> None:
         """`PolicyFreeQueue.append_n`. A request's release (no tier involved, every hash
@@ -419,31 +422,43 @@ class DenseFreeQueue(PolicyFreeQueue):
         keys = pool._keys
         nodes: list[int] = []
         ends: list[int] = []
+        fresh: list[KVCacheBlock] = []
         odd: list[tuple[int, KVCacheBlock]] = []  # a hash the pool does not account for
         for item in enumerate(blocks):
             block = item[1]
             key = block._block_hash
             if key is None:
-                self._push_fresh(block, first=False)
+                fresh.append(block)
             elif odd or keys[block.block_id] != key:
                 odd.append(item)
             else:
                 nodes.append(block.block_id)
                 ends.append(item[0])
+        if fresh:
+            self.core.push_fresh(fresh, False)
         if nodes:
             releasing = pool.releasing
-            pool.core.release_n(nodes, ends, releasing.request_hit, releasing.output_tokens)
+            self.core.release_n(nodes, ends, releasing.request_hit, releasing.output_tokens)
         if odd:  # the rest in order, as `on_free_n` would, after the blocks before them
             pool.on_free_n(odd)
 
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        if self.pool.enable_caching and any(b._block_hash is not None for b in blocks):
+            super().prepend_n(blocks)  # another tier's blocks: the lane
+        else:
+            self.core.push_fresh(list(blocks), True)
+
+    def is_fresh(self, block: KVCacheBlock) -> bool:
+        return self.core.is_fresh(block.block_id)
+
     def is_cached(self, block: KVCacheBlock) -> bool:
-        return self.pool.core.is_evictable(block.block_id)
+        return self.core.is_evictable(block.block_id)
 
     def cached_blocks(self) -> list[KVCacheBlock]:
         """The cached blocks in the order they were freed (as `PolicyFreeQueue` keeps
         them), so that the fallback of `any_cached` picks what the record pool's would."""
         blocks = self.pool.blocks
-        return [blocks[block_id] for block_id in self.pool.core.evictable_nodes()]
+        return [blocks[block_id] for block_id in self.core.evictable_nodes()]
 
     def any_cached(self, taken: Sequence[KVCacheBlock] = ()) -> KVCacheBlock:
         skip = {block.block_id for block in taken}
@@ -453,6 +468,17 @@ class DenseFreeQueue(PolicyFreeQueue):
         for block in self.cached_blocks():
             self.remove(block)
             self._push_fresh(block, first=True)
+
+    def _push_fresh(self, block: KVCacheBlock, first: bool) -> None:
+        self.core.push_fresh([block], first)
+
+    def _eviction_order(self) -> Iterator[KVCacheBlock]:
+        blocks, lane = self.pool.blocks, self._first_entry
+        for block_id in self.core.fresh_nodes():
+            yield blocks[block_id]
+        first = [block for block, serial in self._first if lane.get(block.block_id) == serial]
+        yield from first
+        yield from self.pool.iter_victims(first)
 
     def _take_victims(self, n: int) -> list[KVCacheBlock]:
         """Evict `n` cached blocks (there are that many): the lane's, then the core's."""
