@@ -155,16 +155,21 @@ def info(as_json: bool, import_modules: bool, names: tuple[str, ...]) -> None:
 
     Give NAMEs (vllm, sglang, torch, triton, flashinfer) to report only those.
     """
+    from kvplug.core.dense import COMPILED
+
     components = probe(import_modules=import_modules, names=names or None)
+    core = "compiled" if COMPILED else "plain Python (no C compiler at install)"
     if as_json:
         report = {
             "kvplug": __version__,
             "python": platform.python_version(),
+            "dense_core_compiled": COMPILED,
             "components": [asdict(c) for c in components],
         }
         click.echo(json.dumps(report, indent=2))
     else:
-        click.echo(f"kvplug {__version__} (Python {platform.python_version()})\n")
+        click.echo(f"kvplug {__version__} (Python {platform.python_version()})")
+        click.echo(f"dense eviction core (cost, learned in vLLM's pool): {core}\n")
         click.echo(_table(components))
 
 

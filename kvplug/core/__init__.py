@@ -10,7 +10,7 @@ modules; the one piece every one of them shares is the eviction core.
 | `pool` | physical blocks, `BlockState`, reference counts, the O(1) free queue |
 | `index` | the radix tree over block keys, one tree per namespace; matches verify tokens |
 | `eviction` | `EvictionCore`: the exact evictable leaves and the next victim, for every adapter |
-| `dense` | `DenseCostCore`, `DenseLearnedCore`: `cost` and `learned` over typed arrays by block id (compiled where built) |
+| `dense` | `DenseCostCore`, `DenseLearnedCore`: `cost`, `learned` over typed arrays by block id |
 | `ranked_set` | `RankedSet`: state evicted from any node (SWA, Mamba), by rank then recency |
 | `prefix_cache` | `PrefixCache`: lookups, publication and eviction order over the index |
 | `fences` | `StepClock`: steps, fences, writes and releases that wait for a fence |

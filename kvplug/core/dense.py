@@ -1,8 +1,9 @@
-"""A dense eviction core with `cost`'s ranking: nodes are an engine's block ids.
+"""A dense eviction core with `cost`'s or `learned`'s ranking: nodes are an engine's block ids.
 
 `DenseCostCore` makes the decisions of `kvplug.core.eviction.EvictionCore` running
-`kvplug.policies.cost.CostPolicy`, victim for victim and rank for rank, for caches whose
-blocks are numbered ``0 .. num_nodes - 1`` (vLLM's block ids). Where the generic core keeps
+`kvplug.policies.cost.CostPolicy` (and `DenseLearnedCore`, running
+`kvplug.policies.learned.LearnedPolicy`), victim for victim and rank for rank, for caches
+whose blocks are numbered ``0 .. num_nodes - 1`` (vLLM's block ids). Where the generic core keeps
 a record object per block, dicts keyed by serial and a heap of Python ints, this one keeps
 typed arrays indexed by block id and an indexed binary heap of block ids ordered by
 ``(rank, release order)``, so that, compiled, a block event costs a few array writes and
@@ -24,13 +25,18 @@ trial, its remembered reuses and, once released, its rank and release order (fix
 `kvplug.policies.entry.FRACTION_BITS` fractional bits: a restored release sits halfway to
 the next whole one).
 
+It also keeps the cache's *fresh* blocks (free, holding nothing reusable) as a list linked
+through two arrays, in hand-out order (`push_fresh`, `pop_fresh`), so that an engine's free
+queue needs no Python object per block either.
+
 Invariants (`check_invariants`):
 
 - the heap holds exactly the evictable identities with no cached children, each once,
-  and ``pos`` names each one's slot; every parent sorts before its children by
-  ``(rank, order)`` in heap order;
+  and ``pos`` names each one's slot; every heap slot sorts no earlier than its parent
+  slot by ``(rank, order)``;
 - ``num_evictable`` counts the evictable identities; ``children[b]`` counts the live
-  identities whose live parent is ``b``.
+  identities whose live parent is ``b``;
+- the fresh list holds ``num_fresh`` blocks, none of them a live identity.
 """
 
 from __future__ import annotations
@@ -58,7 +64,9 @@ class DenseCostCore:
     `pop_victims` evicts it. With `objects` (the cache's block objects, by id),
     `pop_victims` returns those instead of ids; with `recent`, it also appends each
     victim's key there, keeping the latest `recent_capacity` (a cache's record of recent
-    victims, for churn)."""
+    victims, for churn). The cache's objects carry their id as ``block_id``, their
+    current key as `key_attribute` and the tokens it covers as `tokens_attribute`
+    (`record_objects`, `release_objects`, `push_fresh`)."""
 
     serial: cython.longlong[:]
     parent: cython.int[:]
@@ -107,6 +115,8 @@ class DenseCostCore:
     objects: object
     recent: object
     recent_capacity: cython.Py_ssize_t
+    key_attribute: str
+    tokens_attribute: str
     ghosts: object
     by_depth: list
     classes: dict
@@ -119,6 +129,8 @@ class DenseCostCore:
         objects: list | None = None,
         recent: OrderedDict | None = None,
         recent_capacity: int = 0,
+        key_attribute: str = "key",
+        tokens_attribute: str = "key_tokens",
     ) -> None:
         n = num_nodes
         self.policy = policy
@@ -126,6 +138,8 @@ class DenseCostCore:
         self.objects = objects
         self.recent = recent
         self.recent_capacity = recent_capacity
+        self.key_attribute = key_attribute
+        self.tokens_attribute = tokens_attribute
         self.serial = array("q", [-1]) * n
         self.parent = array("i", [-1]) * n
         self.parent_serial = array("q", [-1]) * n
@@ -260,6 +274,113 @@ class DenseCostCore:
                 self.from_end[node] = ends[i]
                 self.request_hit[node] = request_hit
                 self.request_output[node] = output
+        self._offer(nodes)
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def record_objects(
+        self,
+        objects: list,
+        start: cython.Py_ssize_t,
+        end: cython.Py_ssize_t,
+        parent: cython.int,
+        block_size: cython.int,
+    ) -> tuple:
+        """A request's newly keyed objects ``objects[start:end]`` given identities, each
+        below the one before it (the first below `parent`; one holding no key breaks the
+        chain), a run at a time (`insert_chain`), at the depth its key's token count
+        (`tokens_attribute`; none: a whole block of `block_size`) puts it. Each key is
+        noted in the cache's keys, and counted as churn if it was a recent victim's (it
+        leaves `recent`). Stops before the first object whose block already has a key the
+        cache accounts for, which the cache records itself. Returns (where it stopped,
+        the parent there, identities made, churn)."""
+        keys: list = self.keys
+        recent = self.recent
+        name = self.key_attribute
+        tokens_name = self.tokens_attribute
+        run: list = []
+        depths: list = []
+        recorded: cython.Py_ssize_t = 0
+        churn: cython.Py_ssize_t = 0
+        i: cython.Py_ssize_t
+        node: cython.int
+        depth: cython.int
+        for i in range(start, end):
+            item = objects[i]
+            key = getattr(item, name)
+            if key is None:
+                if run:
+                    self.insert_chain(run, depths, parent)
+                    run, depths = [], []
+                parent = -1
+                continue
+            node = item.block_id
+            if keys[node] is not None:
+                if run:
+                    self.insert_chain(run, depths, parent)
+                    parent = run[-1]
+                return (i, parent, recorded, churn)
+            if recent is not None and recent.pop(key, 0) is None:
+                churn += 1
+            keys[node] = key
+            tokens = getattr(item, tokens_name)
+            depth = (block_size if tokens is None or tokens == 0 else tokens) // block_size - 1
+            depths.append(depth if depth > 0 else 0)
+            run.append(node)
+            recorded += 1
+        if run:
+            self.insert_chain(run, depths, parent)
+        return (end, parent, recorded, churn)
+
+    def release_objects(
+        self, objects: list, request_hit: cython.bint, output: cython.longlong
+    ) -> list:
+        """`release_n` for a request's freed objects (with ``block_id`` and the key
+        attribute `key_attribute`, the first to be evicted first), in one pass: one
+        holding no key joins the fresh list's end (`push_fresh`); one holding the key the
+        cache accounts for for its block is released with its position in `objects` as
+        its ``from_end``. The first holding another key, and every object after it, are
+        returned as ``(position, object)`` for the cache to handle in order, after these.
+        """
+        n: cython.Py_ssize_t = len(objects)
+        i: cython.Py_ssize_t
+        node: cython.int
+        keys: list = self.keys
+        name = self.key_attribute
+        nodes: list = []
+        odd: list = []
+        for i in range(n):
+            item = objects[i]
+            key = getattr(item, name)
+            if key is None:
+                self._fresh_append(item.block_id)
+                continue
+            if odd:
+                odd.append((i, item))
+                continue
+            node = item.block_id
+            held = keys[node]
+            if held is not key and held != key:
+                odd.append((i, item))
+                continue
+            self.from_end[node] = i
+            self.request_hit[node] = request_hit
+            self.request_output[node] = output
+            nodes.append(node)
+        if nodes:
+            self._offer(nodes)
+        return odd
+
+    @cython.cfunc
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def _offer(self, nodes: list) -> cython.void:
+        """Rank each of `nodes` (released together) and offer it if it is a leaf."""
+        n: cython.Py_ssize_t = len(nodes)
+        i: cython.Py_ssize_t
+        node: cython.int
         self._releasing()
         for i in range(n):
             self._rank_release(nodes[i])
@@ -443,17 +564,7 @@ class DenseCostCore:
                 self.num_fresh += 1
         else:
             for i in range(n):
-                node = blocks[i].block_id
-                self._fresh_unlink(node)
-                self.fresh_next[node] = -1
-                self.fresh_prev[node] = self.fresh_tail
-                if self.fresh_tail >= 0:
-                    self.fresh_next[self.fresh_tail] = node
-                else:
-                    self.fresh_head = node
-                self.fresh_tail = node
-                self.in_fresh[node] = 1
-                self.num_fresh += 1
+                self._fresh_append(blocks[i].block_id)
 
     def pop_fresh(self, n: cython.Py_ssize_t) -> list:
         """Up to `n` fresh blocks from the head of the list, taken out of it (the cache's
@@ -486,6 +597,19 @@ class DenseCostCore:
             found.append(node)
             node = self.fresh_next[node]
         return found
+
+    @cython.cfunc
+    def _fresh_append(self, node: cython.int) -> cython.void:
+        self._fresh_unlink(node)
+        self.fresh_next[node] = -1
+        self.fresh_prev[node] = self.fresh_tail
+        if self.fresh_tail >= 0:
+            self.fresh_next[self.fresh_tail] = node
+        else:
+            self.fresh_head = node
+        self.fresh_tail = node
+        self.in_fresh[node] = 1
+        self.num_fresh += 1
 
     @cython.cfunc
     def _fresh_unlink(self, node: cython.int) -> cython.void:
@@ -576,6 +700,9 @@ class DenseCostCore:
         assert evictable == self.num_evictable, "evictable count"
         for i in range(1, self.size):
             assert not self._less(self.heap[i], self.heap[(i - 1) >> 1]), "heap order"
+        fresh = self.fresh_nodes()
+        assert len(fresh) == self.num_fresh == sum(self.in_fresh), "fresh count"
+        assert all(self.serial[node] < 0 for node in fresh), "a fresh block with an identity"
 
     # -- internals ----------------------------------------------------------------------
     @cython.cfunc

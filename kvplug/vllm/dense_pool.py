@@ -110,7 +110,15 @@ class DenseCostPool(KVPlugBlockPool):
             self._keys = [None] * len(self.blocks)
         core_class = DENSE_CORES[type(policy)]
         self.core = core_class(
-            policy, len(self.blocks), self._keys, self.blocks, self._evicted, self.num_gpu_blocks
+            policy,
+            len(self.blocks),
+            self._keys,
+            self.blocks,
+            self._evicted,
+            self.num_gpu_blocks,
+            # vLLM's slots behind the `block_hash` property, and the tokens it covers
+            "_block_hash",
+            "_block_hash_num_tokens",
         )
         free = [b for b in self.blocks if not b.is_null]
         self.free_block_queue = DenseFreeQueue(self, free)
@@ -299,39 +307,17 @@ class DenseCostPool(KVPlugBlockPool):
     ) -> None:
         """`_record` for each block of ``blocks[start:end]`` that holds a hash, each below
         the one before it (the first below `parent`; a block without a hash breaks the
-        chain), the new ones given identities a run at a time."""
-        keys, evicted, insert_chain = self._keys, self._evicted, self.core.insert_chain
-        size = self.hash_block_size
-        run: list[int] = []
-        depths: list[int] = []
-        recorded = churn = 0
-        for i in range(start, end):
-            block = blocks[i]
-            key = block._block_hash
-            if block.is_null or key is None:
-                if run:
-                    insert_chain(run, depths, parent)
-                run, depths, parent = [], [], -1
-                continue
-            block_id = block.block_id
-            if keys[block_id] is not None:  # recorded already, or under another hash
-                if run:
-                    insert_chain(run, depths, parent)
-                    parent = run[-1]
-                parent = self._record(block, parent)
-                run, depths = [], []
-                continue
-            if evicted.pop(key, 0) is None:
-                churn += 1
-            keys[block_id] = key
-            depth = (block._block_hash_num_tokens or size) // size - 1
-            depths.append(depth if depth > 0 else 0)
-            run.append(block_id)
-            recorded += 1
-        if run:
-            insert_chain(run, depths, parent)
-        self._num_keys += recorded
-        self.stats.churn += churn
+        chain): the new ones given identities a run at a time by the dense core
+        (`DenseCostCore.record_objects`), a block holding another hash here."""
+        record_objects, size = self.core.record_objects, self.hash_block_size
+        while True:
+            start, parent, recorded, churn = record_objects(blocks, start, end, parent, size)
+            self._num_keys += recorded
+            self.stats.churn += churn
+            if start >= end:
+                return
+            parent = self._record(blocks[start], parent)
+            start += 1
 
     def forget(self, block: KVCacheBlock) -> None:
         """`block` no longer holds the hash the pool accounts for."""
@@ -419,27 +405,13 @@ class DenseFreeQueue(PolicyFreeQueue):
             if released:
                 pool.on_free_n(released, held_elsewhere)
             return
-        keys = pool._keys
-        nodes: list[int] = []
-        ends: list[int] = []
-        fresh: list[KVCacheBlock] = []
-        odd: list[tuple[int, KVCacheBlock]] = []  # a hash the pool does not account for
-        for item in enumerate(blocks):
-            block = item[1]
-            key = block._block_hash
-            if key is None:
-                fresh.append(block)
-            elif odd or keys[block.block_id] != key:
-                odd.append(item)
-            else:
-                nodes.append(block.block_id)
-                ends.append(item[0])
-        if fresh:
-            self.core.push_fresh(fresh, False)
-        if nodes:
-            releasing = pool.releasing
-            self.core.release_n(nodes, ends, releasing.request_hit, releasing.output_tokens)
-        if odd:  # the rest in order, as `on_free_n` would, after the blocks before them
+        releasing = pool.releasing
+        odd = self.core.release_objects(
+            blocks if isinstance(blocks, list) else list(blocks),
+            releasing.request_hit,
+            releasing.output_tokens,
+        )
+        if odd:  # from a hash the pool does not account for on: in order, as one at a time
             pool.on_free_n(odd)
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:

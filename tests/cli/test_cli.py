@@ -13,6 +13,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+import kvplug.core.dense
 from kvplug import __version__
 from kvplug.cli.app import LazyGroup, main
 from kvplug.errors import ConfigError
@@ -58,6 +59,7 @@ def test_info_json() -> None:
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["kvplug"] == __version__
+    assert report["dense_core_compiled"] is kvplug.core.dense.COMPILED
     by_name = {c["name"]: c for c in report["components"]}
     assert sorted(by_name) == sorted(NAMES)
     assert by_name["vllm"]["installed"] == installed("vllm")
