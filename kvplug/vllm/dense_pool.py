@@ -455,14 +455,7 @@ class DenseFreeQueue(PolicyFreeQueue):
     def _take_victims(self, n: int) -> list[KVCacheBlock]:
         """Evict `n` cached blocks (there are that many): the lane's, then the core's."""
         pool = self.pool
-        victims: list[KVCacheBlock] = []
-        lane, first = self._first_entry, self._first
-        while lane and len(victims) < n:
-            block, serial = first.popleft()
-            if lane.get(block.block_id) == serial:
-                del lane[block.block_id]
-                pool.forget(block)
-                victims.append(block)
+        victims = self._take_lane(n)
         if victims:
             pool.on_evicted(victims)
         if len(victims) < n:

@@ -221,19 +221,24 @@ class PolicyFreeQueue:
         """Evict `n` cached blocks (there are that many): the lane's, then the pool's
         choices, in order."""
         cached, pool = self._cached, self.pool
+        victims = self._take_lane(n)
+        if len(victims) < n:
+            victims += pool.evict_n(n - len(victims))
+        for block in victims:
+            del cached[block.block_id]
+        pool.on_evicted(victims)
+        return victims
+
+    def _take_lane(self, n: int) -> list[KVCacheBlock]:
+        """Up to `n` blocks from the evict-first lane, first in first, forgotten."""
         victims: list[KVCacheBlock] = []
         lane, first = self._first_entry, self._first
         while lane and len(victims) < n:
             block, serial = first.popleft()
             if lane.get(block.block_id) == serial:
                 del lane[block.block_id]
-                pool.forget(block)
+                self.pool.forget(block)
                 victims.append(block)
-        if len(victims) < n:
-            victims += pool.evict_n(n - len(victims))
-        for block in victims:
-            del cached[block.block_id]
-        pool.on_evicted(victims)
         return victims
 
     def _push_fresh(self, block: KVCacheBlock, first: bool) -> None:
