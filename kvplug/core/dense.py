@@ -66,7 +66,7 @@ class DenseCostCore:
     victim's key there, keeping the latest `recent_capacity` (a cache's record of recent
     victims, for churn). The cache's objects carry their id as ``block_id``, their
     current key as `key_attribute` and the tokens it covers as `tokens_attribute`
-    (`record_objects`, `release_objects`, `push_fresh`)."""
+    (`record_objects`, `release_objects`, `prepend_objects`, `push_fresh`)."""
 
     serial: cython.longlong[:]
     parent: cython.int[:]
@@ -548,23 +548,30 @@ class DenseCostCore:
         one, in order. A block already in the list moves."""
         n: cython.Py_ssize_t = len(blocks)
         i: cython.Py_ssize_t
-        node: cython.int
         if first:
             for i in range(n - 1, -1, -1):
-                node = blocks[i].block_id
-                self._fresh_unlink(node)
-                self.fresh_prev[node] = -1
-                self.fresh_next[node] = self.fresh_head
-                if self.fresh_head >= 0:
-                    self.fresh_prev[self.fresh_head] = node
-                else:
-                    self.fresh_tail = node
-                self.fresh_head = node
-                self.in_fresh[node] = 1
-                self.num_fresh += 1
+                self._fresh_prepend(blocks[i].block_id)
         else:
             for i in range(n):
                 self._fresh_append(blocks[i].block_id)
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def prepend_objects(self, objects: list) -> list:
+        """`push_fresh` to the front, ``objects[0]`` first, for each of `objects` that
+        holds no key (`key_attribute`); those that hold one are returned, in order, for
+        the cache to free as it frees keyed blocks to go first."""
+        keyed: list = []
+        name = self.key_attribute
+        i: cython.Py_ssize_t
+        for i in range(len(objects) - 1, -1, -1):
+            item = objects[i]
+            if getattr(item, name) is not None:
+                keyed.append(item)
+                continue
+            self._fresh_prepend(item.block_id)
+        keyed.reverse()
+        return keyed
 
     def pop_fresh(self, n: cython.Py_ssize_t) -> list:
         """Up to `n` fresh blocks from the head of the list, taken out of it (the cache's
@@ -597,6 +604,19 @@ class DenseCostCore:
             found.append(node)
             node = self.fresh_next[node]
         return found
+
+    @cython.cfunc
+    def _fresh_prepend(self, node: cython.int) -> cython.void:
+        self._fresh_unlink(node)
+        self.fresh_prev[node] = -1
+        self.fresh_next[node] = self.fresh_head
+        if self.fresh_head >= 0:
+            self.fresh_prev[self.fresh_head] = node
+        else:
+            self.fresh_tail = node
+        self.fresh_head = node
+        self.in_fresh[node] = 1
+        self.num_fresh += 1
 
     @cython.cfunc
     def _fresh_append(self, node: cython.int) -> cython.void:

@@ -415,10 +415,14 @@ class DenseFreeQueue(PolicyFreeQueue):
             pool.on_free_n(odd)
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        if self.pool.enable_caching and any(b._block_hash is not None for b in blocks):
-            super().prepend_n(blocks)  # another tier's blocks: the lane
-        else:
+        """`PolicyFreeQueue.prepend_n`: blocks holding no hash to the front of the fresh
+        list, in one compiled pass; cached ones (another tier holds them) as that does."""
+        if not self.pool.enable_caching:
             self.core.push_fresh(list(blocks), True)
+            return
+        lane = self.core.prepend_objects(blocks if isinstance(blocks, list) else list(blocks))
+        if lane:
+            super().prepend_n(lane)
 
     def is_fresh(self, block: KVCacheBlock) -> bool:
         return self.core.is_fresh(block.block_id)
