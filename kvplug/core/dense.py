@@ -504,15 +504,27 @@ class DenseCostCore:
         keys: list = self.keys
         objects = self.objects
         recent = self.recent
-        while taken < n and self.size > 0:
-            node = self.heap[0]
-            self._remove_at(0)
+        following: cython.int = -1  # a parent known to be the next victim
+        while taken < n:
+            if following >= 0:
+                node = following
+                following = -1
+            elif self.size > 0:
+                node = self.heap[0]
+                self._remove_at(0)
+            else:
+                break
             evictable[node] = 0
             above = self.parent[node]
             if above >= 0 and serial[above] == self.parent_serial[node]:
                 children[above] -= 1
                 if children[above] == 0 and evictable[above]:
-                    self._push(above)
+                    # below every candidate: the next victim, with no push and pop (a
+                    # request's chain, ranked tail lowest, goes in one run)
+                    if taken + 1 < n and (self.size == 0 or self._less(above, self.heap[0])):
+                        following = above
+                    else:
+                        self._push(above)
             if self.rank[node] > top:
                 top = self.rank[node]
             self.ranked[node] = 0
