@@ -665,9 +665,6 @@ class DenseCostCore:
         """The number of candidates (evictable leaves)."""
         return self.size
 
-    def evictable_count(self) -> int:
-        return self.num_evictable
-
     def is_live(self, node: cython.int) -> bool:
         return self.serial[node] >= 0
 

@@ -222,7 +222,7 @@ def test_the_dense_core_decides_as_the_generic_core(name, ops, tier_pricing):
                 list(policy._reused),
                 list(policy._ghosts.items()),
                 len(core),
-                core.evictable_count(),
+                core.num_evictable,
                 getattr(policy, "explain", dict)(),
             )
             assert found == expected, f"after {op}"
