@@ -981,6 +981,27 @@ class DenseLearnedCore(DenseCostCore):
             self.tiers_seen = True
 
 
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def count_new_keys(
+    objects: list, start: cython.Py_ssize_t, end: cython.Py_ssize_t, name: str, recent: Any
+) -> tuple[int, int]:
+    """Of ``objects[start:end]``, just given keys (attribute `name`; None: none): how many
+    hold one, and how many of those keys were recent victims (each leaves `recent`, a
+    cache's record of recent victims: a re-cache, churn). One compiled pass for an engine
+    pool that keeps no identities (vLLM's own queue under ``lru``)."""
+    keyed: cython.Py_ssize_t = 0
+    again: cython.Py_ssize_t = 0
+    i: cython.Py_ssize_t
+    for i in range(start, end):
+        key = getattr(objects[i], name)
+        if key is not None:
+            keyed += 1
+            if recent.pop(key, 0) is None:
+                again += 1
+    return (keyed, again)
+
+
 @cython.cfunc
 def _bit_length(x: cython.longlong) -> cython.int:
     n: cython.int = 0

@@ -54,6 +54,7 @@ from typing import Any, ClassVar
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
+from kvplug.core.dense import count_new_keys
 from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.core.groups import GroupKind
 from kvplug.policies import make_policy
@@ -696,7 +697,7 @@ class ReleaseOrderPool(KVPlugBlockPool):
         """vLLM's, then the new hashes counted. Until vLLM registers a partial entry (a
         hash for part of a block, see `cache_partial_block`), the blocks being cached hold
         no hash yet, so no before-state is needed."""
-        new = blocks[num_cached_blocks:num_full_blocks]
+        new = blocks[num_cached_blocks:num_full_blocks] if self._partial_entries else []
         before = [b._block_hash for b in new] if self._partial_entries else None
         BlockPool.cache_full_blocks(
             self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
@@ -704,11 +705,12 @@ class ReleaseOrderPool(KVPlugBlockPool):
         )  # fmt: skip
         evicted = self._evicted
         if before is None:
-            keys = [key for b in new if (key := b._block_hash) is not None]
-            self._num_keys += len(keys)
-            pop = evicted.pop
             # a key popped from the recent victims is cached again after an eviction
-            self.stats.churn += sum(1 for key in keys if pop(key, 0) is None)
+            cached, churn = count_new_keys(
+                blocks, num_cached_blocks, num_full_blocks, "_block_hash", evicted
+            )
+            self._num_keys += cached
+            self.stats.churn += churn
             return
         cached = churn = 0
         for block, old in zip(new, before, strict=True):
