@@ -12,10 +12,8 @@ Python: every victim, rank, learned tally and ghost must agree, and every invari
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from dense_plain import plain_dense_module
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -42,16 +40,7 @@ class Node:
         self.evictable = False
 
 
-def _plain_module():
-    source = Path(kvplug.core.dense.__file__).with_name("dense.py")
-    spec = importlib.util.spec_from_file_location("kvplug_dense_plain_core", source)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-PLAIN = _plain_module()
+PLAIN = plain_dense_module()
 # per policy: its parameters (a small shadow and window, and a margin that asks the
 # learned shadow to save twice what the LRU one does, so that `learned` switches)
 # and the dense cores, as built and as plain Python

@@ -13,17 +13,16 @@ class, ghost history, and `learned`'s referee and shadows).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import count
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvplug[vllm]')")
 
+from dense_plain import plain_dense_module  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -43,14 +42,9 @@ F = FRESH_UNIT_BASE
 
 
 def _plain_python_cores() -> dict[type, type]:
-    """The dense cores from the dense core's source, run by the interpreter (the build's
-    module may be the compiled one), by the policy each decides for."""
-    source = Path(kvplug.core.dense.__file__).with_name("dense.py")
-    spec = importlib.util.spec_from_file_location("kvplug_dense_plain", source)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert not module.COMPILED
+    """The dense cores from the dense core's source, run by the interpreter, by the policy
+    each decides for."""
+    module = plain_dense_module()
     return {CostPolicy: module.DenseCostCore, LearnedPolicy: module.DenseLearnedCore}
 
 
