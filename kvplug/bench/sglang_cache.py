@@ -1,12 +1,14 @@
 """``kvplug bench sglang-cache``: SGLang's cache operations, kvplug's policy against SGLang's.
 
-Two arms, SGLang's `UnifiedRadixCache` with its own ``lru`` (``sglang-stock:lru``) and the
-same cache as ``--radix-cache-backend kvplug`` builds it (``sglang-kvplug:<policy>``), run
-the same request stream, driven as SGLang's scheduler drives the cache (the replay arms'
-``admit``: match the prompt, lock the prefix, allocate the rest, evicting when short;
-``finish``: insert the request and unlock). Each pool holds `pages` one-token pages and is
-filled first, so every request evicts. Rounds alternate the arms; the table gives the
-median time per request (all cache operations of one request) and its ratio to stock.
+Four arms, SGLang's `UnifiedRadixCache` with its own ``lru`` on its default Rust tree core
+(``sglang-stock:lru``, the yardstick) and on its Python core, and the same cache as
+``--radix-cache-backend kvplug`` builds it (``sglang-kvplug:<policy>``) on each core
+(`kvplug.sglang.rust_core`, `kvplug.sglang.tree_core`), run the same request stream,
+driven as SGLang's scheduler drives the cache (the replay arms' ``admit``: match the
+prompt, lock the prefix, allocate the rest, evicting when short; ``finish``: insert the
+request and unlock). Each pool holds `pages` one-token pages and is filled first, so every
+request evicts. Rounds alternate the arms' order; the table gives the median time per
+request (all cache operations of one request) and its ratio to stock on the Rust core.
 
 The workload: prompts of `prompt_len` tokens, each a shared system prefix (one of
 `prefixes`, `prefix_len` tokens, Zipf-like popularity) and a unique suffix, so matches,
@@ -77,7 +79,12 @@ def bench_size(
     """Time both arms at one pool size (see the module doc)."""
     from kvplug.replay.arms.sglang_kvplug import SGLangKVPlugArm
 
-    arms = [SGLangStockArm(pages, "lru"), SGLangKVPlugArm(pages, policy)]
+    arms = [
+        SGLangStockArm(pages, "lru", tree_core="rust"),
+        SGLangStockArm(pages, "lru", tree_core="python"),
+        SGLangKVPlugArm(pages, policy, tree_core="rust"),
+        SGLangKVPlugArm(pages, policy, tree_core="python"),
+    ]
     streams = [workload.stream() for _ in arms]
     ids = [count() for _ in arms]
     fill = pages // workload.prompt_len * 2 + 1  # twice the pool: eviction is steady
@@ -99,7 +106,8 @@ def bench_size(
     total = rounds * requests * workload.prompt_len
     results = []
     for i, arm in enumerate(arms):
-        result = ArmResult(pages, arm.name, statistics.median(times[i]))
+        core = "rust" if arm.tree_core == "rust" else "python"
+        result = ArmResult(pages, f"{arm.name} ({core})", statistics.median(times[i]))
         result.round_ratios = [t / s for t, s in zip(times[i], times[0], strict=True)]
         result.ratio = result.request_us / statistics.median(times[0])
         result.hit_ratio = hits[i] / total
@@ -108,11 +116,11 @@ def bench_size(
 
 
 def format_table(results: list[ArmResult]) -> str:
-    lines = [f"{'pages':>8} {'arm':<20} {'us/request':>10} {'ratio':>6} {'rounds':>10} {'hits':>6}"]
+    lines = [f"{'pages':>8} {'arm':<29} {'us/request':>10} {'ratio':>6} {'rounds':>10} {'hits':>6}"]
     for r in results:
         span = f"{min(r.round_ratios):.2f}-{max(r.round_ratios):.2f}"
         lines.append(
-            f"{r.pages:>8,} {r.arm:<20} {r.request_us:>10.1f} {r.ratio:>5.2f}x {span:>10} "
+            f"{r.pages:>8,} {r.arm:<29} {r.request_us:>10.1f} {r.ratio:>5.2f}x {span:>10} "
             f"{r.hit_ratio:>6.3f}"
         )
     return "\n".join(lines)

@@ -354,8 +354,9 @@ def cpu_tier(trace: str, fractions: str, policies: str) -> None:
 @click.option("--policy", default="lru", show_default=True, help="kvplug's policy in the arm.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the request stream.")
 def sglang_cache(pages: str, requests: int, rounds: int, policy: str, seed: int) -> None:
-    """SGLang's cache operations (match, insert, evict) with kvplug's policy, against
-    SGLang's own lru, per request, in one run. Needs SGLang (pip install 'kvplug[sglang]')."""
+    """SGLang's cache operations (match, insert, evict) with kvplug's policy on SGLang's
+    Rust and Python tree cores, against SGLang's own lru on each, per request, in one run.
+    Needs SGLang (pip install 'kvplug[sglang]')."""
     _require("sglang", "sglang-cache")
     if requests < 1 or rounds < 1:
         raise click.BadParameter("need requests >= 1 and rounds >= 1", param_hint="--rounds")
@@ -367,7 +368,7 @@ def sglang_cache(pages: str, requests: int, rounds: int, policy: str, seed: int)
         results += bench_size(size, policy, Workload(seed=seed), requests, rounds)
     click.echo(format_table(results))
     click.echo(
-        "\nratio: this arm / sglang-stock:lru (target <= 1.10x); rounds: range of the "
+        "\nratio: this arm / sglang-stock:lru on SGLang's default Rust core; rounds: range of the "
         "per-round ratios; microseconds per request (all its cache operations), this "
         "machine's CPU, one thread."
     )

@@ -12,12 +12,16 @@ Importing this package does not import SGLang; every module below except `plugin
 `namespace` does. kvplug decides which node goes next (the eviction core in
 `kvplug.core.eviction`, the same one `KVCache` and the vLLM adapter run, and
 `kvplug.core.ranked_set` for state evicted from internal nodes); SGLang keeps
-its tree, allocation, locks, KV events and its own metrics.
+its tree, allocation, locks, KV events and its own metrics. A full-attention model runs on
+SGLang's default Rust tree core, kvplug naming its victims from a mirror of the tree; a
+hybrid model or a host tier runs on SGLang's Python core with kvplug's components
+(``$KVPLUG_SGLANG_TREE_CORE`` overrides the choice).
 
 | module | owns |
 |---|---|
 | `plugin` | the ``sglang.srt.plugins`` entry point: policy choices, strategies, backends |
 | `backend` | the ``kvplug`` cache factory, `apply_kvplug` (one set-up site), `KVPlugRadixCache` |
+| `rust_core` | `KVPlugRustTreeCore`: SGLang's Rust tree core, its victims named from a mirror |
 | `tree_core` | `KVPlugTreeCore` (SGLang's Python tree core) and `NodeRecord` (the core's node) |
 | `components` | `KVPlugFullComponent`, `KVPlugSWAComponent`, `KVPlugMambaComponent` |
 | `ranked_lru` | `RankedLRUList`: SGLang's SWA / Mamba LRU list, feeding a `RankedSet` |

@@ -7,11 +7,14 @@ as the model needs, through SGLang's own `create_unified_radix_cache`, with thre
 differences, all set on SGLang's ``CacheInitParams`` by `apply_kvplug` (the one place a
 kvplug cache is configured; the replay arm and the tests use it too):
 
-- the tree core is kvplug's (`kvplug.sglang.tree_core`, tree-core backend ``kvplug``): the
-  pure-Python core SGLang also has, since its default Rust core accepts only SGLang's own
-  policy names;
-- the full-attention, sliding-window and Mamba components are kvplug's
-  (`kvplug.sglang.components`);
+- the tree core is kvplug's: SGLang's default Rust core with its full-attention victims
+  named by kvplug (`kvplug.sglang.rust_core`, tree-core backend ``kvplug-rust``) where it
+  serves the model (full attention, no host tier), else SGLang's pure-Python core with
+  kvplug's eviction core beside it (`kvplug.sglang.tree_core`, backend ``kvplug``) and
+  kvplug's full-attention, sliding-window and Mamba components
+  (`kvplug.sglang.components`). ``$KVPLUG_SGLANG_TREE_CORE`` picks: ``auto`` (the
+  default: Rust where it serves), ``rust`` (refused at start-up where it cannot serve),
+  ``python``. Both make the same decisions; the Rust core is faster;
 - the cache class is `KVPlugRadixCache`, which folds kvplug's namespace into each
   request's ``cache_salt`` (`kvplug.sglang.namespace`) and counts kvplug's statistics.
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -46,12 +50,15 @@ from kvplug.sglang.components import kvplug_components
 from kvplug.sglang.namespace import RequestNamespace, first_sight
 from kvplug.sglang.stats import CacheStats, PrometheusExporter
 from kvplug.sglang.strategy import PREFIX, load_config, policy_name
-from kvplug.sglang.tree_core import ReleasingRequest
+from kvplug.sglang.tree_core import FULL, ReleasingRequest
 from kvplug.sglang.version import check_private_names, check_sglang_version
 
 logger = logging.getLogger("sglang.kvplug")
 
-BACKEND = "kvplug"  # the name of both the radix-cache and the tree-core backend
+BACKEND = "kvplug"  # the name of both the radix-cache and the Python tree-core backend
+RUST_BACKEND = "kvplug-rust"  # the tree-core backend of `kvplug.sglang.rust_core`
+TREE_CORE_ENV = "KVPLUG_SGLANG_TREE_CORE"
+TREE_CORE_CHOICES = ("auto", "rust", "python")
 
 
 class KVPlugRadixCache(UnifiedRadixCache):
@@ -136,29 +143,106 @@ class KVPlugRadixCache(UnifiedRadixCache):
             exporter.publish(stats)
 
 
-def apply_kvplug(params: Any, config: KVPlugConfig, model: ModelSpec | None = None) -> None:
+def tree_core_wanted(given: str | None = None) -> str:
+    """`given`, else ``$KVPLUG_SGLANG_TREE_CORE``: ``auto`` (unset), ``rust`` or
+    ``python``."""
+    source = "tree_core" if given is not None else TREE_CORE_ENV
+    raw = given if given is not None else os.environ.get(TREE_CORE_ENV, "auto")
+    wanted = raw.strip().lower() or "auto"
+    if wanted not in TREE_CORE_CHOICES:
+        raise ConfigError(
+            f"{source}={raw!r} is not a tree core; choose one of {', '.join(TREE_CORE_CHOICES)}"
+        )
+    return wanted
+
+
+def rust_core_refusal(params: Any, *, hybrid: bool, hicache: bool) -> str | None:
+    """Why the Rust core cannot serve a kvplug cache built from SGLang's `params`, or None.
+    `hybrid`: the model has sliding-window or Mamba layers; `hicache`: a host tier."""
+    from sglang.srt.mem_cache.unified_cache.tree_core_registry import _rust_fallback_reason
+
+    if hybrid:
+        return "sliding-window and Mamba state are ranked on the Python core"
+    if hicache:
+        return "the host tier (HiCache) is ranked on the Python core"
+    if params.is_eagle:
+        return "EAGLE's bigram keys are mirrored on the Python core only"
+    components = tuple(params.tree_components or (FULL,))
+    if components != (FULL,):
+        return "sliding-window and Mamba state are ranked on the Python core"
+    # SGLang's own reasons (session cache, platform, PyTorch, a missing extension), for
+    # SGLang's stock components: the Rust core evicts through its own
+    stock = dataclasses.replace(params, component_registry_override=None)
+    return _rust_fallback_reason(stock)
+
+
+def choose_tree_core(
+    params: Any, *, hybrid: bool, hicache: bool, wanted: str | None = None
+) -> tuple[str, str]:
+    """(``rust`` or ``python``, why) for a kvplug cache built from SGLang's `params`, as
+    `wanted` or else ``$KVPLUG_SGLANG_TREE_CORE`` asks (`tree_core_wanted`); ``rust``
+    asked where it cannot serve is refused."""
+    wanted = tree_core_wanted(wanted)
+    if wanted == "python":
+        return "python", f"{TREE_CORE_ENV}=python"
+    refusal = rust_core_refusal(params, hybrid=hybrid, hicache=hicache)
+    if refusal is None:
+        return "rust", "SGLang's default core, kvplug naming its victims"
+    if wanted == "rust":
+        raise ConfigError(
+            f"{TREE_CORE_ENV}=rust cannot be served: {refusal}; set {TREE_CORE_ENV}=auto or python"
+        )
+    return "python", refusal
+
+
+def apply_kvplug(
+    params: Any,
+    config: KVPlugConfig,
+    model: ModelSpec | None = None,
+    *,
+    hybrid: bool | None = None,
+    hicache: bool = False,
+    tree_core: str | None = None,
+) -> tuple[str, str]:
     """Configure SGLang's `CacheInitParams` so that the cache built from them is
-    kvplug's: its tree core, its components and the policy `config` names.
-    Registers kvplug's names with SGLang first, if the entry point has not."""
+    kvplug's: its tree core (`choose_tree_core`; `hybrid` defaults to what
+    ``params.tree_components`` say), its components on the Python core, and the policy
+    `config` names; `tree_core` overrides ``$KVPLUG_SGLANG_TREE_CORE``. Registers kvplug's
+    names with SGLang first, if the entry point has not. Returns the tree core chosen and
+    why."""
     from kvplug.sglang.plugin import register_names
 
     register_names()
-    params.tree_core_backend = BACKEND
-    params.component_registry_override = {
-        **(params.component_registry_override or {}),
-        **kvplug_components(),
-    }
+    if hybrid is None:
+        hybrid = any(ct != FULL for ct in (params.tree_components or ()))
+    core, why = choose_tree_core(params, hybrid=hybrid, hicache=hicache, wanted=tree_core)
+    if core == "rust":
+        params.tree_core_backend = RUST_BACKEND
+    else:
+        params.tree_core_backend = BACKEND
+        params.component_registry_override = {
+            **(params.component_registry_override or {}),
+            **kvplug_components(),
+        }
     params.eviction_policy = PREFIX + config.policy
     params.eviction_policy_config = {
         "kvplug_config": config,
         "kvplug_model": model if model is not None else load_model(None),
     }
+    return core, why
 
 
-def build_cache(params: Any, config: KVPlugConfig, model: ModelSpec | None = None) -> Any:
+def build_cache(
+    params: Any,
+    config: KVPlugConfig,
+    model: ModelSpec | None = None,
+    *,
+    tree_core: str | None = None,
+) -> Any:
     """A `KVPlugRadixCache` from SGLang's `params` (pools already built), ranked by
-    `config`'s policy: what the backend builds, for callers that hold the pools."""
-    apply_kvplug(params, config, model)
+    `config`'s policy on the tree core `tree_core` asks for (`apply_kvplug`): what the
+    backend builds, for callers that hold the pools."""
+    apply_kvplug(params, config, model, tree_core=tree_core)
     cache = KVPlugRadixCache(params)
     attach(cache, config)
     return cache
@@ -246,7 +330,13 @@ def kvplug_radix_cache(ctx: Any) -> Any:
         return default_radix_cache_factory(ctx)
     refuse_unserved(ctx)
     model = served_model(ctx.model_config, str(getattr(ctx.model_config, "model_path", "")))
-    apply_kvplug(params, config, model)
+    core, why = apply_kvplug(
+        params,
+        config,
+        model,
+        hybrid=bool(ctx.is_hybrid_swa or ctx.is_hybrid_ssm),
+        hicache=bool(ctx.enable_hierarchical_cache),
+    )
     cache = create_unified_radix_cache(ctx, cache_class=KVPlugRadixCache)
     exporter = None
     if params.enable_metrics:
@@ -255,13 +345,13 @@ def kvplug_radix_cache(ctx: Any) -> Any:
     attach(cache, config, namespace, model, exporter)
     components = "+".join(component.name for component in params.tree_components)
     logger.info(
-        "kvplug is active: policy=%s %s, %d pages of %d tokens, components %s, tree core %s "
-        "(SGLang's Python core; its Rust core accepts only SGLang's own policies)",
+        "kvplug is active: policy=%s %s, %d pages of %d tokens, components %s, tree core: %s (%s)",
         config.policy,
         config.policy_config or "(defaults)",
         cache.tree_core.num_pages,
         params.page_size,
         components,
-        BACKEND,
+        "SGLang's Rust core" if core == "rust" else "SGLang's Python core",
+        why,
     )
     return cache

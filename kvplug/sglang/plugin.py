@@ -5,7 +5,8 @@ arguments, whether or not kvplug is wanted, so `register` only adds names:
 
 - the ``kvplug-<name>`` choices of ``--radix-eviction-policy``, one per kvplug policy a
   server can run (third-party policies included), and their strategies;
-- the tree-core backend ``kvplug`` and the radix-cache backend ``kvplug``.
+- the tree-core backends ``kvplug`` (Python) and ``kvplug-rust``, and the radix-cache
+  backend ``kvplug``.
 
 Nothing changes unless ``--radix-cache-backend kvplug`` selects the backend. An untested
 SGLang gets a warning here; the error comes from the backend, when selected.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 logger = logging.getLogger("sglang.kvplug")
 
@@ -50,7 +52,7 @@ def register_names() -> None:
         registered_tree_core_backends,
     )
 
-    from kvplug.sglang.backend import BACKEND, kvplug_radix_cache
+    from kvplug.sglang.backend import BACKEND, RUST_BACKEND, kvplug_radix_cache
     from kvplug.sglang.strategy import policy_choices, strategy_factory
     from kvplug.sglang.tree_core import kvplug_tree_core_factory
 
@@ -63,5 +65,15 @@ def register_names() -> None:
         factories.setdefault(choice, strategy_factory(choice.removeprefix("kvplug-")))
     if BACKEND not in registered_tree_core_backends():
         register_tree_core_backend(BACKEND, kvplug_tree_core_factory)
+    if RUST_BACKEND not in registered_tree_core_backends():
+        register_tree_core_backend(RUST_BACKEND, _rust_tree_core_factory)
     if BACKEND not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND, kvplug_radix_cache)
+
+
+def _rust_tree_core_factory(params: Any, components: dict[Any, Any]) -> Any:
+    """The ``kvplug-rust`` tree core, imported when selected (it loads SGLang's Rust
+    extension)."""
+    from kvplug.sglang.rust_core import KVPlugRustTreeCore
+
+    return KVPlugRustTreeCore(params)

@@ -127,6 +127,16 @@ def span_depth(start: int, end: int, page_size: int) -> int:
     return (first + max(last_page(end, page_size), first)) // 2
 
 
+def prefix_digest(
+    parent_key: bytes, extra_key: str | None, cache_salt: str | None, tokens: bytes
+) -> bytes:
+    """A node's key for the policies: the digest of its tokens (int64 bytes) after its
+    parent's key, in the namespace of SGLang's extra key and cache salt. Both tree cores
+    key their records with it, so they rank the same nodes alike."""
+    extra = encode_fields((extra_key or "", cache_salt or ""))
+    return xxhash.xxh3_64_digest(parent_key + extra + tokens)
+
+
 class ReleasingRequest:
     """A finished request while SGLang hands its KV to the tree: what each record it
     releases learns about it (see the module doc)."""
@@ -157,12 +167,14 @@ class NodeRecord:
         "parent", "parent_serial", "cached_children", "evictable", "node", "end",
     )  # fmt: skip
 
-    def __init__(self, serial: int, node: Any, key: bytes, end: int, page_size: int) -> None:
+    def __init__(
+        self, serial: int, node: Any, key: bytes, start: int, end: int, page_size: int
+    ) -> None:
         self.serial = serial
         self.node = node
         self.key = key
         self.end = end
-        self.depth = span_depth(end - len(node.key), end, page_size)
+        self.depth = span_depth(start, end, page_size)
         self.hits = 0
         self.from_end = 0
         self.request_hit = False
@@ -465,7 +477,8 @@ class KVPlugTreeCoreMixin:
     # -- helpers ----------------------------------------------------------------------------
     def _new_record(self, node: Any, parent: NodeRecord | None, end: int) -> NodeRecord:
         digest = self._prefix_key(node, parent)
-        record = NodeRecord(next(self._serials), node, digest, end, self.page_size)
+        start = end - len(node.key)
+        record = NodeRecord(next(self._serials), node, digest, start, end, self.page_size)
         self.records[node.id] = record
         return record
 
@@ -474,9 +487,8 @@ class KVPlugTreeCoreMixin:
         """The digest of the node's tokens after its parent's key (the policies' `key`)."""
         radix_key = node.key
         tokens = radix_key.token_ids[: len(radix_key)].tobytes()
-        extra = encode_fields((radix_key.extra_key or "", radix_key.cache_salt or ""))
         parent_key: bytes = parent.key if parent is not None else b""  # type: ignore[assignment]
-        return xxhash.xxh3_64_digest(parent_key + extra + tokens)
+        return prefix_digest(parent_key, radix_key.extra_key, radix_key.cache_salt, tokens)
 
     def describe(self, node: Any) -> tuple[bytes, int]:
         """(prefix key, depth) of a node, for the ranked components' records: those of

@@ -163,19 +163,33 @@ def test_kvplug_policy_without_the_backend_is_refused() -> None:
             RustUnifiedTreeCore(ctx.params)
 
 
-def test_backend_alone_serves_cost_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="sglang.kvplug"):
-        cache = build()
-    assert isinstance(cache, KVPlugRadixCache)
-    assert isinstance(cache.tree_core, KVPlugTreeCore)
-    assert cache.tree_core.eviction_strategy.config.policy == "cost"
-    active = [r.getMessage() for r in caplog.records if "kvplug is active" in r.getMessage()]
-    assert len(active) == 1 and "policy=cost" in active[0] and "Python core" in active[0]
+def test_backend_alone_serves_cost_and_logs_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full-attention model runs on SGLang's Rust core, kvplug naming its victims; the
+    log says which core runs, and why."""
+    from kvplug.sglang.rust_core import KVPlugRustTreeCore
+
+    monkeypatch.delenv("KVPLUG_SGLANG_TREE_CORE", raising=False)
+    for core, kind, named in (
+        (None, KVPlugRustTreeCore, "Rust core"),
+        ("python", KVPlugTreeCore, "Python core"),
+    ):
+        if core is not None:
+            monkeypatch.setenv("KVPLUG_SGLANG_TREE_CORE", core)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="sglang.kvplug"):
+            cache = build()
+        assert isinstance(cache, KVPlugRadixCache)
+        assert isinstance(cache.tree_core, kind)
+        assert cache.tree_core.eviction_strategy.config.policy == "cost"
+        active = [r.getMessage() for r in caplog.records if "kvplug is active" in r.getMessage()]
+        assert len(active) == 1 and "policy=cost" in active[0] and named in active[0]
 
 
 def test_backend_installs_kvplug_components_for_every_state() -> None:
-    """The backend's parameters name kvplug's component for full attention, sliding
-    window and Mamba, keeping any other override."""
+    """On the Python core (a hybrid model's), the backend's parameters name kvplug's
+    component for full attention, sliding window and Mamba, keeping any other override."""
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
     from kvplug.config import KVPlugConfig
@@ -189,7 +203,8 @@ def test_backend_installs_kvplug_components_for_every_state() -> None:
     other = object()
     params = CacheInitParams.__new__(CacheInitParams)
     params.component_registry_override = {ComponentType.C128: other}
-    apply_kvplug(params, KVPlugConfig.load({"policy": "lru"}))
+    params.tree_components = (ComponentType.FULL, ComponentType.SWA)  # a hybrid: Python core
+    assert apply_kvplug(params, KVPlugConfig.load({"policy": "lru"}))[0] == "python"
     assert params.component_registry_override == {
         ComponentType.FULL: KVPlugFullComponent,
         ComponentType.SWA: KVPlugSWAComponent,

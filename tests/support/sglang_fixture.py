@@ -42,6 +42,7 @@ from sglang.srt.mem_cache.unified_cache.tree_core_registry import (  # noqa: E40
     register_tree_core_backend,
     registered_tree_core_backends,
 )
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 from sglang.test.kits.unified_radix_cache import fixtures  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 from sglang.test.kits.unified_radix_cache.fixtures import (  # noqa: E402
@@ -52,6 +53,7 @@ from sglang.test.kits.unified_radix_cache.unified_tree_core_inspector import (  
     UnifiedTreeCoreInspector,
 )
 
+from kvplug.sglang.backend import RUST_BACKEND  # noqa: E402
 from kvplug.sglang.components import kvplug_components  # noqa: E402
 from kvplug.sglang.plugin import register_names  # noqa: E402
 from kvplug.sglang.tree_core import KVPlugTreeCoreMixin  # noqa: E402
@@ -76,23 +78,38 @@ class KVPlugInspector(KVPlugTreeCoreMixin, UnifiedTreeCoreInspector):
     """kvplug's tree core over the SGLang test kit's inspecting tree core."""
 
 
-def build(shape: str, policy: str) -> tuple[Any, Any, Any]:
+def build(shape: str, policy: str, core: str = "python") -> tuple[Any, Any, Any]:
     """(cache, allocator, request pool) from SGLang's fixture; `policy` is SGLang's name
-    (``lru``) or ``kvplug-<name>``."""
+    (``lru``) or ``kvplug-<name>``, ranked on kvplug's Python tree core (`core`
+    ``python``: over the kit's inspecting core, with kvplug's components) or on SGLang's
+    Rust core (``rust``: `kvplug.sglang.rust_core`, SGLang's own components; the kit
+    builds the pools, SGLang's cache class the cache)."""
     register_names()
     if INSPECTED not in registered_tree_core_backends():
         register_tree_core_backend(INSPECTED, KVPlugInspector)
     cfg = dataclasses.replace(SHAPES[shape], eviction_policy=policy)
-    kvplug = {} if not policy.startswith("kvplug-") else {
-        "component_registry_override": kvplug_components(),
-        "tree_core_backend": INSPECTED,
-    }  # fmt: skip
+    rust = policy.startswith("kvplug-") and core == "rust"
+    if rust:  # the kit's Rust inspector needs SGLang's Rust sources: pools built for lru
+        cfg = dataclasses.replace(cfg, eviction_policy="lru")
+    kvplug: dict[str, Any] = {}
+    if policy.startswith("kvplug-") and not rust:
+        kvplug = {
+            "component_registry_override": kvplug_components(),
+            "tree_core_backend": INSPECTED,
+        }
     with pytest.MonkeyPatch.context() as patch:
         # The fixture asks SGLang for the accelerator; SGLang's own CPU switch
         # (SGLANG_USE_CPU_ENGINE) is read once at import, so the device is named here.
         patch.setattr(fixtures, "get_device", lambda: "cpu")
         built = build_fixture(cfg, **kvplug)
-    if kvplug:  # every component of the cache is kvplug's
+    if rust:
+        params = dataclasses.replace(
+            built[0].cache_init_params, eviction_policy=policy, tree_core_backend=RUST_BACKEND
+        )
+        cache = UnifiedRadixCache(params)
+        cache.cache_init_params = params
+        built = (cache, *built[1:])
+    if "component_registry_override" in kvplug:  # every component of the cache is kvplug's
         components = built[0].tree_core.components_by_type
         assert {ct: type(c) for ct, c in components.items()} == {
             ct: kvplug_components()[ct] for ct in cfg.components

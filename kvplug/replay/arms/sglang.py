@@ -5,11 +5,11 @@ What runs is the installed SGLang 0.5.23's code, not a model of it:
 - `sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache`, the tree cache SGLang's
   scheduler builds for a plain full-attention model (`default_radix_cache_factory`), with
   one `FULL` component, ``page_size=1``, KV cache events on, and its pure-Python tree core
-  (``tree_core_backend="python"``, `UnifiedTreeCore`). The eviction strategy is SGLang's
-  own, looked up by name in `sglang.srt.mem_cache.evict_policy` via `get_eviction_strategy`.
-  (SGLang's default Rust tree core knows only SGLang's built-in strategy names and
-  rejects one registered from Python; the legacy `radix_cache.RadixCache` is no longer
-  what the scheduler builds.)
+  (``tree_core_backend="python"``, `UnifiedTreeCore`), or, with ``tree_core="rust"``, its
+  default Rust core (`RustUnifiedTreeCore`; the same decisions, made faster). The
+  eviction strategy is SGLang's own, looked up by name in
+  `sglang.srt.mem_cache.evict_policy` via `get_eviction_strategy`. (The legacy
+  `radix_cache.RadixCache` is no longer what the scheduler builds.)
 - `TokenToKVPoolAllocator` with ``capacity_blocks`` slots, and `ReqToTokenPool`, the
   request-to-slot table the cache reads and rewrites.
 - Requests are `sglang.srt.managers.schedule_batch.Req` objects. The calls that need
@@ -119,8 +119,9 @@ def _scheduler_context() -> Any:
 
 
 class SGLangStockArm(CacheArm):
-    """SGLang's `UnifiedRadixCache` (Python tree core) with ``capacity_blocks`` slots and
-    SGLang's eviction strategy `policy`."""
+    """SGLang's `UnifiedRadixCache` with ``capacity_blocks`` slots and SGLang's eviction
+    strategy `policy`, on SGLang's Python tree core or (`tree_core` ``rust``) its Rust
+    core."""
 
     def __init__(
         self,
@@ -128,7 +129,9 @@ class SGLangStockArm(CacheArm):
         policy: str = "lru",
         *,
         max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
+        tree_core: str | None = None,
     ) -> None:
+        self.tree_core = tree_core
         check_sglang(self.arm_prefix)
         self._check_policy(policy)
         if capacity_blocks < 1:
@@ -166,7 +169,7 @@ class SGLangStockArm(CacheArm):
                     eviction_policy=policy,
                     enable_kv_cache_events=True,
                     tree_components=(ComponentType.FULL,),
-                    tree_core_backend="python",
+                    tree_core_backend="rust" if tree_core == "rust" else "python",
                 ),
                 policy,
             )

@@ -3,8 +3,9 @@
 It is the `sglang-stock` arm (`kvplug.replay.arms.sglang`: SGLang 0.5.23's
 `UnifiedRadixCache`, driven the way SGLang's scheduler drives it) with one difference:
 the cache is built as ``--radix-cache-backend kvplug`` builds it, through
-`kvplug.sglang.backend.build_cache` (kvplug's tree core and components,
-the policy from kvplug's registry). With ``lru`` it evicts exactly as
+`kvplug.sglang.backend.build_cache` (kvplug's tree core, on SGLang's Rust core or its
+Python core as ``$KVPLUG_SGLANG_TREE_CORE`` or `tree_core` asks, the policy from kvplug's
+registry). Both cores make the same decisions. With ``lru`` it evicts exactly as
 ``sglang-stock:lru``.
 """
 
@@ -29,10 +30,11 @@ class SGLangKVPlugArm(SGLangStockArm):
         policy: str = "cost",
         *,
         policy_config: dict[str, Any] | None = None,
+        tree_core: str | None = None,
         **kwargs: Any,
     ) -> None:
         self.policy_config = dict(policy_config or {})
-        super().__init__(capacity_blocks, policy, **kwargs)
+        super().__init__(capacity_blocks, policy, tree_core=tree_core, **kwargs)
 
     def _check_policy(self, policy: str) -> None:
         policy_class(policy)  # raises UnknownPolicyError listing kvplug's policies
@@ -40,7 +42,8 @@ class SGLangKVPlugArm(SGLangStockArm):
     def _build_cache(self, params: Any, policy: str) -> Any:
         from kvplug.sglang.backend import build_cache
 
-        return build_cache(params, KVPlugConfig(policy=policy, policy_config=self.policy_config))
+        config = KVPlugConfig(policy=policy, policy_config=self.policy_config)
+        return build_cache(params, config, tree_core=self.tree_core)
 
 
 __all__ = ["SGLangKVPlugArm"]

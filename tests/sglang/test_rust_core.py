@@ -1,0 +1,204 @@
+"""kvplug on SGLang's Rust tree core (`kvplug.sglang.rust_core`).
+
+- Decisions: over random sequences of SGLang's cache operations (the fixture's insert,
+  match and lock, unlock, evict, at page size 1 and 4) and of the replay arm's requests
+  (admit, decode, finish, with partial eviction under ``cost``), a kvplug cache on the
+  Rust core and one on the Python core (`kvplug.sglang.tree_core`) return the same
+  matches and evictions, hold the same sizes and free the same slots after every
+  operation, for every policy; the Rust core's mirror passes its audit against Rust
+  (`KVPlugRustTreeCore.check_invariants`) and SGLang's own `sanity_check` after each.
+- kvplug decides: ``cost`` keeps a node SGLang's own ``lru`` evicts.
+- Selection: ``--radix-cache-backend kvplug`` builds the Rust core for a full-attention
+  model, the Python core with HiCache or where ``$KVPLUG_SGLANG_TREE_CORE`` says so; a
+  Rust core asked for where it cannot serve, or a bad value, is refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from itertools import count
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang", reason="SGLang is not installed (see requirements/sglang-replay.txt)")
+
+from arm_ops import admit_request, operations, prefix_sets  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from sglang_driver import Driver, apply, check, op_list, prefixes  # noqa: E402
+from sglang_fixture import build, match_prefix  # noqa: E402
+
+from kvplug.errors import ConfigError  # noqa: E402
+from kvplug.replay.arms.base import FRESH_UNIT_BASE  # noqa: E402
+from kvplug.replay.arms.sglang_kvplug import SGLangKVPlugArm  # noqa: E402
+
+POLICIES = ["kvplug-lru", "kvplug-lfu", "kvplug-gdsf", "kvplug-cost", "kvplug-learned"]
+
+
+def free_slots(driver: Driver) -> list[int]:
+    return sorted(driver.allocator.get_all_free_pages().tolist())
+
+
+@pytest.mark.parametrize("shape", ["full-p1", "full-p4"])
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=8, deadline=None)
+@given(bases=st.lists(prefixes, min_size=1, max_size=3), ops=op_list)
+def test_rust_core_decides_as_the_python_core(
+    shape: str, policy: str, bases: list[list[int]], ops: list[tuple]
+) -> None:
+    python, rust = Driver(shape, policy), Driver(shape, policy, core="rust")
+    assert type(rust.cache.tree_core).__name__ == "KVPlugRustTreeCore"
+    for op in ops:
+        assert apply(python, bases, op) == apply(rust, bases, op), op
+        assert python.sizes() == rust.sizes(), op
+        assert free_slots(python) == free_slots(rust), op
+        check(rust)
+
+
+def run_arm(arm: SGLangKVPlugArm, prefixes: list[list[int]], ops: list[tuple]) -> list[Any]:
+    """The arm's answers and state after each operation (`arm_ops`' meaning)."""
+    fresh = count(FRESH_UNIT_BASE)
+    running: list[int] = []
+    seen: list[Any] = []
+    for number, op in enumerate(ops):
+        if op[0] == "admit":
+            prompt, compute = admit_request(op, prefixes, fresh)
+            if not prompt:
+                continue
+            hits = arm.admit(number, prompt, compute)
+            if hits is not None:
+                running.append(number)
+            seen.append(hits)
+        elif running and op[0] == "grow":
+            req = running[op[1] % len(running)]
+            seen.append(arm.grow(req, [next(fresh) for _ in range(op[2])]))
+        elif running:
+            arm.finish(running.pop(op[1] % len(running)), output_tokens=op[1])
+        seen.append((arm.stats(), arm.cache.evictable_size(), arm.cache.protected_size()))
+        if arm.tree_core == "rust":
+            arm.cache.tree_core.check_invariants()
+    return seen
+
+
+@pytest.mark.parametrize("policy", ["lru", "cost", "learned"])
+@settings(max_examples=10, deadline=None)
+@given(prefixes=prefix_sets, ops=operations, capacity=st.integers(6, 24))
+def test_the_replay_arm_on_the_rust_core_decides_as_on_the_python_core(
+    policy: str, prefixes: list[list[int]], ops: list[tuple], capacity: int
+) -> None:
+    python = SGLangKVPlugArm(capacity, policy, tree_core="python")
+    rust = SGLangKVPlugArm(capacity, policy, tree_core="rust")
+    assert type(rust.cache.tree_core).__name__ == "KVPlugRustTreeCore"
+    assert run_arm(python, prefixes, ops) == run_arm(rust, prefixes, ops)
+
+
+def test_partial_eviction_splits_a_victim_on_the_rust_core() -> None:
+    """A 30-token leaf under ``cost``, and a request that needs 10 slots more than are
+    free: the leaf is split and its last 10 tokens evicted; its head stays cached, on
+    both cores alike."""
+    for core in ("python", "rust"):
+        arm = SGLangKVPlugArm(40, "cost", tree_core=core)
+        assert arm.admit(0, [*range(1, 31), 999], 30) == 0
+        arm.finish(0)
+        assert arm.admit(1, [500 + i for i in range(20)], 20) == 0
+        assert arm.stats().evictions == 10, core
+        records = arm.cache.tree_core.records.values()
+        assert [(r.end - 20, r.end) for r in records] == [(0, 20)], core
+        if core == "rust":
+            arm.cache.tree_core.check_invariants()
+
+
+def test_cost_keeps_what_sglang_lru_evicts_on_the_rust_core() -> None:
+    """One sequence inserted three times (SGLang counts a reuse at each re-insert), then
+    another once and matched last (the most recent): SGLang's lru evicts the first,
+    kvplug's cost, on the Rust core, the one nobody came back to."""
+    first, second = [1, 1, 1], [2, 2, 2]
+    kept = {}
+    for policy in ("lru", "kvplug-cost"):
+        driver = Driver("full-p1", policy, core="rust")
+        for _ in range(3):
+            driver.insert(first)
+        driver.insert(second)
+        driver.match_and_lock(second)
+        driver.unlock(0)
+        driver.evict(1)
+        kept[policy] = [
+            tokens
+            for tokens in (first, second)
+            if match_prefix(driver.cache, tokens).device_prefix_len == len(tokens)
+        ]
+    assert kept == {"lru": [second], "kvplug-cost": [first]}
+
+
+# -- selection ------------------------------------------------------------------------------
+def backend_cache(monkeypatch: pytest.MonkeyPatch, core: str | None, **ctx_fields: Any) -> Any:
+    """What ``--radix-cache-backend kvplug`` builds for a full-attention model."""
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, get_radix_cache_factory
+    from sglang.srt.runtime_context import use_context
+    from sglang.srt.server_args import ServerArgs
+
+    from kvplug.replay.arms.sglang import _scheduler_context
+    from kvplug.sglang import plugin
+
+    if core is None:
+        monkeypatch.delenv("KVPLUG_SGLANG_TREE_CORE", raising=False)
+    else:
+        monkeypatch.setenv("KVPLUG_SGLANG_TREE_CORE", core)
+    plugin.register()
+    stock, _, _ = build("full-p1", "lru")  # its pools, for a fresh set of parameters
+    params = dataclasses.replace(
+        stock.cache_init_params, eviction_policy="kvplug-cost", component_registry_override=None
+    )
+    server_args = ServerArgs(model_path="dummy", device="cpu")
+    server_args._radix_eviction_policy_explicitly_set = True  # type: ignore[attr-defined]
+    fields = {
+        "is_hybrid_swa": False,
+        "is_hybrid_ssm": False,
+        "enable_hierarchical_cache": False,
+        **ctx_fields,
+    }
+    ctx = TreeCacheBuildContext(
+        server_args=server_args,
+        params=params,
+        disable_radix_cache=False,
+        tp_worker=None,
+        model_config=None,
+        tp_size=1,
+        tp_rank=0,
+        tp_group=None,
+        **fields,
+    )
+    with use_context(_scheduler_context()):
+        return get_radix_cache_factory("kvplug")(ctx)
+
+
+def test_the_backend_runs_the_rust_core_by_default(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvplug.sglang.rust_core import KVPlugRustTreeCore
+    from kvplug.sglang.tree_core import KVPlugTreeCore
+
+    with caplog.at_level("INFO", logger="sglang.kvplug"):
+        cache = backend_cache(monkeypatch, None)
+    assert isinstance(cache.tree_core, KVPlugRustTreeCore)
+    assert "tree core: SGLang's Rust core" in caplog.text
+    assert isinstance(backend_cache(monkeypatch, "python").tree_core, KVPlugTreeCore)
+    assert isinstance(backend_cache(monkeypatch, "rust").tree_core, KVPlugRustTreeCore)
+
+
+def test_a_rust_core_that_cannot_serve_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvplug.sglang.backend import choose_tree_core
+
+    stock, _, _ = build("full-p1", "lru")
+    params = stock.cache_init_params
+    assert choose_tree_core(params, hybrid=False, hicache=True, wanted="auto")[0] == "python"
+    with pytest.raises(
+        ConfigError, match="KVPLUG_SGLANG_TREE_CORE=rust cannot be served: .*HiCache"
+    ):
+        choose_tree_core(params, hybrid=False, hicache=True, wanted="rust")
+    with pytest.raises(ConfigError, match="not a tree core; choose one of auto, rust, python"):
+        choose_tree_core(params, hybrid=False, hicache=False, wanted="c++")
+    monkeypatch.setenv("KVPLUG_SGLANG_TREE_CORE", "fast")
+    with pytest.raises(ConfigError, match="KVPLUG_SGLANG_TREE_CORE='fast' is not a tree core"):
+        choose_tree_core(params, hybrid=False, hicache=False)
