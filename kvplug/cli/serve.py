@@ -169,7 +169,8 @@ def server_ab(
     "--python-core-arm",
     is_flag=True,
     help="--engine sglang: a third arm, SGLang's own lru on its pure-Python tree core (the "
-    "core kvplug runs on), to tell the core's cost from the policy's.",
+    "core kvplug runs on for hybrid models and HiCache, or with "
+    "KVPLUG_SGLANG_TREE_CORE=python), to tell the core's cost from the policy's.",
 )
 @click.option(
     "--bench-args",

@@ -194,8 +194,8 @@ def sglang_kvplug_args(config: dict | None = None) -> tuple[str, ...]:
 SGLANG_PYTHON_CORE = Arm(
     "sglang-stock-pycore", env=(("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python"),)
 )
-"""SGLang's own cache and lru on its pure-Python tree core, the core kvplug runs on (its
-Rust core accepts no other policy): separates the core's cost from the policy's."""
+"""SGLang's own cache and lru on its pure-Python tree core, the core kvplug runs on for
+hybrid models and HiCache: separates the core's cost from the policy's."""
 
 SGLANG = Engine(
     name="sglang",

@@ -136,10 +136,11 @@ class KVPlugRadixCache(UnifiedRadixCache):
             stats.saved_flops += model.prefill_flops(0, matched)
         exporter = self.kvplug_exporter
         if exporter is not None:
-            pages = len(self.tree_core.records)
-            stats.cached_blocks = pages
+            core = self.tree_core
+            tokens = core.full_evictable_size() + core.full_protected_size()
+            stats.cached_blocks = tokens // self.page_size  # pages, not tree nodes
             if model is not None:
-                stats.bytes_held = int(pages * self.page_size * model.kv_bytes_per_token())
+                stats.bytes_held = int(tokens * model.kv_bytes_per_token())
             exporter.publish(stats)
 
 

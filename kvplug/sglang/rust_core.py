@@ -139,18 +139,20 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
     # -- what the tree tells the mirror --------------------------------------------------
     def match_prefix(self, params: Any) -> Any:
         result = super().match_prefix(params)
-        node_id = result.last_device_node
-        (path,) = self._binding.collect_path_info([node_id])
-        if path:
+        record = self.records.get(result.last_device_node)
+        if record is not None:  # nothing split: the mirror knows the path
+            touched = self._path(record)
+        else:
             touched = []
+            (path,) = self._binding.collect_path_info([result.last_device_node])
             records = self.records
             for info in path:
-                record = records.get(info[0])
-                if record is None:  # a node the match split
-                    record = self._split_seen(info, params.key, splitting_victim=False)
-                touched.append(record)
-            for record in touched:  # root first: SGLang stamps parents older
-                self._accessed(record)
+                found = records.get(info[0])
+                if found is None:  # a node the match split
+                    found = self._split_seen(info, params.key, splitting_victim=False)
+                touched.append(found)
+        for found in touched:  # root first: SGLang stamps parents older
+            self._accessed(found)
         return result
 
     def begin_insert(self, params: Any) -> Any:
@@ -169,14 +171,22 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
     def _inserted(self, params: Any, node_id: int) -> None:
         """The insert of `params` ended at `node_id`: the path it walked, root first."""
         self._inserting = None
-        (path,) = self._binding.collect_path_info([node_id])
         inserted_len = params.inserted_len or 0
-        records = self.records
         eviction = self.eviction
+        known = self.records.get(node_id)
+        if known is not None:  # it created and split nothing: the mirror knows the path
+            for record in self._path(known):
+                self._accessed(record)  # SGLang stamps each node its insert walks
+                if record.end > inserted_len:  # this request's earlier inserts counted
+                    eviction.hit(record)
+                    self.stats.block_hits += 1
+            return
+        (path,) = self._binding.collect_path_info([node_id])
+        records = self.records
         for info in path:
             record = records.get(info[0])
             if record is not None:
-                self._accessed(record)  # SGLang stamps each node its insert walks
+                self._accessed(record)
             elif info[5]:  # new, with a child: the upper part of a node this insert split
                 lower = self._filed_under(info[1], params.key, info[2])
                 self._accessed(lower)  # stamped before the split, as a whole
@@ -184,7 +194,7 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
             else:  # the leaf this insert created: counted as its insert, not a reuse
                 self._new_leaf(info, params.key)
                 continue
-            if info[3] > inserted_len:  # nodes this request inserted before were counted
+            if info[3] > inserted_len:
                 eviction.hit(record)
                 self.stats.block_hits += 1
 
@@ -278,7 +288,10 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
             record.lock += 1
             if record.lock == 1:
                 reclaim(record)
-            record = live_parent(record)  # type: ignore[assignment]
+            parent = record.parent  # live_parent(record), inlined: a walk per request
+            record = (
+                parent if parent is not None and parent.serial == record.parent_serial else None
+            )  # type: ignore[assignment]
 
     def _unlock(self, node_id: int) -> None:
         """SGLang unlocked the path from `node_id`: the nodes left unlocked are released,
@@ -289,13 +302,29 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
             record.lock -= 1
             if record.lock == 0:
                 freed.append(record)
-            record = live_parent(record)  # type: ignore[assignment]
+            parent = record.parent
+            record = (
+                parent if parent is not None and parent.serial == record.parent_serial else None
+            )  # type: ignore[assignment]
         release = self.eviction.release
         releasing = self.releasing
         for record in reversed(freed):
             if releasing is not None:
                 releasing.stamp(record)
             release(record)
+
+    @staticmethod
+    def _path(record: MirrorRecord) -> list[MirrorRecord]:
+        """The records from the root's child down to `record`."""
+        path = [record]
+        while True:
+            parent = record.parent
+            if parent is None or parent.serial != record.parent_serial:
+                break
+            record = parent  # type: ignore[assignment]
+            path.append(record)
+        path.reverse()
+        return path
 
     # -- the full-attention eviction walk -----------------------------------------------
     def evict_device_start(self, component_type: Any, request_cnt: int) -> None:

@@ -301,33 +301,39 @@ def _request(rid: str, prompt: list[int], tenant: str | None) -> Any:
     return Req(rid, "", array("q", prompt), SamplingParams(custom_params=custom))
 
 
-def test_tenants_share_no_cached_state() -> None:
+def serve(cache: Any, rid: str, prompt: list[int], tenant: str | None = None) -> int:
+    """One request through `cache` as SGLang's scheduler runs it: match, lock, allocate,
+    finish and release into the tree; its cached tokens."""
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH
     from sglang.srt.mem_cache.allocation import alloc_req_slots, alloc_token_slots
     from sglang.srt.mem_cache.common import release_kv_cache
 
+    with scheduler():
+        req = _request(rid, prompt, tenant)
+        req.init_next_round_input(cache)
+        hits = req.prefix_len
+        req.lock = cache.lock(req.last_node)
+        alloc_req_slots(cache.req_to_token_pool, [req], cache)
+        row = req.kv.req_pool_idx
+        cache.req_to_token_pool.write((row, slice(0, hits)), cache.prefix_device_indices(req))
+        need = len(prompt) - hits
+        cache.req_to_token_pool.write(
+            (row, slice(hits, len(prompt))), alloc_token_slots(cache, need)
+        )
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = len(prompt)
+        req.cached_tokens = hits  # as SGLang's batch sets it when the prefill runs
+        req.finished_reason = FINISH_LENGTH(length=0)
+        release_kv_cache(req, cache, checkpoint=True)
+    return hits
+
+
+def test_tenants_share_no_cached_state() -> None:
     cache = build()
     cache.kvplug_namespace = RequestNamespace(("model",), "", False, False)
     prompt = [1, 2, 3, 4, 5]
 
     def run(rid: str, tenant: str | None) -> int:
-        with scheduler():
-            req = _request(rid, prompt, tenant)
-            req.init_next_round_input(cache)
-            hits = req.prefix_len
-            req.lock = cache.lock(req.last_node)
-            alloc_req_slots(cache.req_to_token_pool, [req], cache)
-            row = req.kv.req_pool_idx
-            cache.req_to_token_pool.write((row, slice(0, hits)), cache.prefix_device_indices(req))
-            need = len(prompt) - hits
-            cache.req_to_token_pool.write(
-                (row, slice(hits, len(prompt))), alloc_token_slots(cache, need)
-            )
-            req.kv.kv_allocated_len = req.kv.kv_committed_len = len(prompt)
-            req.cached_tokens = hits  # as SGLang's batch sets it when the prefill runs
-            req.finished_reason = FINISH_LENGTH(length=0)
-            release_kv_cache(req, cache, checkpoint=True)
-        return hits
+        return serve(cache, rid, prompt, tenant)
 
     assert run("a1", "acme") == 0
     assert run("a2", "acme") == 4  # the same tenant reuses its prefix
@@ -337,6 +343,30 @@ def test_tenants_share_no_cached_state() -> None:
     assert cache.kvplug_stats.requests == 5
     assert cache.kvplug_stats.matched_tokens == 8
     cache.tree_core.check_invariants()
+
+
+def test_the_cached_blocks_gauge_counts_pages() -> None:
+    """``kvplug_cached_blocks`` and ``kvplug_bytes_held`` count the pages the tree holds,
+    not its nodes, on either tree core."""
+    from kvplug.core.model_spec import load_model
+
+    class Exporter:
+        def __init__(self) -> None:
+            self.published: list[tuple[int, int]] = []
+
+        def publish(self, stats: Any) -> None:
+            self.published.append((stats.cached_blocks, stats.bytes_held))
+
+    for core in ("rust", "python"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("KVPLUG_SGLANG_TREE_CORE", core)
+            cache = build()
+        cache.kvplug_exporter = exporter = Exporter()
+        cache.kvplug_model = model = load_model(None)
+        serve(cache, "a", [1, 2, 3, 4, 5, 6])
+        serve(cache, "b", [1, 2, 3, 7, 8])  # splits the first: three nodes, eight pages
+        per_token = model.kv_bytes_per_token()
+        assert exporter.published == [(6, 6 * per_token), (8, 8 * per_token)], core
 
 
 def test_metrics_keep_the_vllm_names() -> None:
