@@ -60,8 +60,9 @@ from kvplug.sglang.tree_core import (
     FULL,
     NodeRecord,
     ReleasingRequest,
-    last_page,
+    accessed,
     prefix_digest,
+    released_with,
     span_depth,
 )
 
@@ -242,11 +243,7 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
         lower.start = end
         lower.depth = span_depth(end, lower.end, page_size)
         self._file(lower, node_id, tokens)
-        # the upper part was released with the lower, by the same request
-        upper.from_end = (
-            lower.from_end + last_page(lower.end, page_size) - last_page(end, page_size)
-        )
-        upper.request_hit, upper.request_output = lower.request_hit, lower.request_output
+        released_with(upper, lower, page_size)
         self.eviction.touch(upper)  # stamped at its creation, before the lower part
         self.eviction.split(upper, lower)
         if not splitting_victim:  # the lower part of a victim keeps its rank
@@ -254,12 +251,7 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
         return upper
 
     def _accessed(self, record: MirrorRecord) -> None:
-        """As `KVPlugTreeCore._accessed`: stamped now; an evictable node is ranked again."""
-        eviction = self.eviction
-        eviction.touch(record)
-        if record.evictable:
-            eviction.reclaim(record)
-            eviction.release(record)
+        accessed(self.eviction, record)
 
     def inc_lock_ref(self, node_id: int, skip_lock_components: Any = ()) -> Any:
         result = super().inc_lock_ref(node_id, skip_lock_components)

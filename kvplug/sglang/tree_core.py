@@ -156,6 +156,25 @@ class ReleasingRequest:
         record.request_output = self.output
 
 
+def accessed(eviction: EvictionCore[Any], record: NodeRecord) -> None:
+    """SGLang stamped the node as accessed now: the core hears of it (`touch`), and an
+    evictable node is ranked again, as if released now; a held one keeps the access for
+    its release (recency-ordered policies rank it from there)."""
+    eviction.touch(record)
+    if record.evictable:
+        eviction.reclaim(record)
+        eviction.release(record)
+
+
+def released_with(upper: NodeRecord, lower: NodeRecord, page_size: int) -> None:
+    """`upper`, split off above `lower`, was released with it, by the same request: it
+    learns what `lower` learned of that request (`ReleasingRequest.stamp`)."""
+    upper.from_end = (
+        lower.from_end + last_page(lower.end, page_size) - last_page(upper.end, page_size)
+    )
+    upper.request_hit, upper.request_output = lower.request_hit, lower.request_output
+
+
 class NodeRecord:
     """One tree node's record while it holds full-attention KV on the device: a
     `kvplug.core.eviction.TreeNode`. ``end`` is the token count from the root to the
@@ -280,13 +299,7 @@ class KVPlugTreeCoreMixin:
         parent = live_parent(lower)
         upper = self._new_record(upper_node, parent, lower.end - len(child.key))  # type: ignore[arg-type]
         lower.depth = span_depth(upper.end, lower.end, self.page_size)
-        # the upper part was released with the lower, by the same request
-        upper.from_end = (
-            lower.from_end
-            + last_page(lower.end, self.page_size)
-            - last_page(upper.end, self.page_size)
-        )
-        upper.request_hit, upper.request_output = lower.request_hit, lower.request_output
+        released_with(upper, lower, self.page_size)
         self.eviction.touch(upper)  # stamped at its creation, before the lower part
         self.eviction.split(upper, lower)
         self._sync_held(upper_node)
@@ -337,13 +350,7 @@ class KVPlugTreeCoreMixin:
         return result
 
     def _accessed(self, record: NodeRecord) -> None:
-        """SGLang stamped the node as accessed now: the core hears of it (`touch`), and
-        an evictable node is ranked again, as if released now; a held one keeps the
-        access for its release (recency-ordered policies rank it from there)."""
-        self.eviction.touch(record)
-        if record.evictable:
-            self.eviction.reclaim(record)
-            self.eviction.release(record)
+        accessed(self.eviction, record)
 
     def _insert_tail_step(self, state: Any) -> None:
         self._creating = state.target_node if state.is_new_leaf else None

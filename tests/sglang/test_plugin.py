@@ -173,6 +173,7 @@ def test_backend_alone_serves_cost_and_logs_once(
     monkeypatch.delenv("KVPLUG_SGLANG_TREE_CORE", raising=False)
     for core, kind, named in (
         (None, KVPlugRustTreeCore, "Rust core"),
+        ("rust", KVPlugRustTreeCore, "Rust core"),
         ("python", KVPlugTreeCore, "Python core"),
     ):
         if core is not None:

@@ -8,14 +8,13 @@
   operation, for every policy; the Rust core's mirror passes its audit against Rust
   (`KVPlugRustTreeCore.check_invariants`) and SGLang's own `sanity_check` after each.
 - kvplug decides: ``cost`` keeps a node SGLang's own ``lru`` evicts.
-- Selection: ``--radix-cache-backend kvplug`` builds the Rust core for a full-attention
-  model, the Python core with HiCache or where ``$KVPLUG_SGLANG_TREE_CORE`` says so; a
-  Rust core asked for where it cannot serve, or a bad value, is refused by name.
+- Selection: the Python core with HiCache; a Rust core asked for where it cannot serve,
+  or a bad ``$KVPLUG_SGLANG_TREE_CORE``, is refused by name (the backend's default, the
+  Rust core for a full-attention model, is tested in `test_plugin`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from itertools import count
 from typing import Any
 
@@ -131,62 +130,7 @@ def test_cost_keeps_what_sglang_lru_evicts_on_the_rust_core() -> None:
     assert kept == {"lru": [second], "kvplug-cost": [first]}
 
 
-# -- selection ------------------------------------------------------------------------------
-def backend_cache(monkeypatch: pytest.MonkeyPatch, core: str | None, **ctx_fields: Any) -> Any:
-    """What ``--radix-cache-backend kvplug`` builds for a full-attention model."""
-    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, get_radix_cache_factory
-    from sglang.srt.runtime_context import use_context
-    from sglang.srt.server_args import ServerArgs
-
-    from kvplug.replay.arms.sglang import _scheduler_context
-    from kvplug.sglang import plugin
-
-    if core is None:
-        monkeypatch.delenv("KVPLUG_SGLANG_TREE_CORE", raising=False)
-    else:
-        monkeypatch.setenv("KVPLUG_SGLANG_TREE_CORE", core)
-    plugin.register()
-    stock, _, _ = build("full-p1", "lru")  # its pools, for a fresh set of parameters
-    params = dataclasses.replace(
-        stock.cache_init_params, eviction_policy="kvplug-cost", component_registry_override=None
-    )
-    server_args = ServerArgs(model_path="dummy", device="cpu")
-    server_args._radix_eviction_policy_explicitly_set = True  # type: ignore[attr-defined]
-    fields = {
-        "is_hybrid_swa": False,
-        "is_hybrid_ssm": False,
-        "enable_hierarchical_cache": False,
-        **ctx_fields,
-    }
-    ctx = TreeCacheBuildContext(
-        server_args=server_args,
-        params=params,
-        disable_radix_cache=False,
-        tp_worker=None,
-        model_config=None,
-        tp_size=1,
-        tp_rank=0,
-        tp_group=None,
-        **fields,
-    )
-    with use_context(_scheduler_context()):
-        return get_radix_cache_factory("kvplug")(ctx)
-
-
-def test_the_backend_runs_the_rust_core_by_default(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    from kvplug.sglang.rust_core import KVPlugRustTreeCore
-    from kvplug.sglang.tree_core import KVPlugTreeCore
-
-    with caplog.at_level("INFO", logger="sglang.kvplug"):
-        cache = backend_cache(monkeypatch, None)
-    assert isinstance(cache.tree_core, KVPlugRustTreeCore)
-    assert "tree core: SGLang's Rust core" in caplog.text
-    assert isinstance(backend_cache(monkeypatch, "python").tree_core, KVPlugTreeCore)
-    assert isinstance(backend_cache(monkeypatch, "rust").tree_core, KVPlugRustTreeCore)
-
-
+# -- selection (the backend's default is in test_plugin) ----------------------------------
 def test_a_rust_core_that_cannot_serve_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvplug.sglang.backend import choose_tree_core
 
