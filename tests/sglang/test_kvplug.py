@@ -1,13 +1,15 @@
 """kvplug inside SGLang's real radix cache, driven as SGLang's scheduler drives it.
 
 The `sglang-kvplug:<policy>` replay arm is SGLang 0.5.23's `UnifiedRadixCache` built as
-``--radix-cache-backend kvplug`` builds it. These tests check that
+``--radix-cache-backend kvplug`` builds it (for this full-attention cache: on SGLang's
+Rust tree core, `kvplug.sglang.rust_core`). These tests check that
 
 - ``kvplug-lru`` evicts exactly as SGLang's own ``lru``: over random admit / decode /
   finish sequences (hypothesis), the two caches return the same hits and hold the same
   slots after every operation;
 - under every kvplug policy the eviction core's candidates stay exactly SGLang's
-  evictable leaves (`KVPlugTreeCore.check_invariants`) and the slot accounting holds.
+  evictable leaves (the tree core's `check_invariants`: on the Rust core, the mirror
+  audited against Rust) and the slot accounting holds.
 """
 
 from __future__ import annotations
