@@ -94,7 +94,7 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
         if reason is not None:
             raise ConfigError(
                 f"kvplug cannot rank on SGLang's Rust tree core here: {reason}; set "
-                "{TREE_CORE_ENV}=python (or auto)"
+                f"{TREE_CORE_ENV}=python (or auto)"
             )
         with kvplug_tree_core_building():
             strategy = get_eviction_strategy(params.eviction_policy, params.eviction_policy_config)

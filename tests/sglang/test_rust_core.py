@@ -143,6 +143,11 @@ def test_a_rust_core_that_cannot_serve_is_refused(monkeypatch: pytest.MonkeyPatc
         choose_tree_core(params, hybrid=False, hicache=True, wanted="rust")
     with pytest.raises(ConfigError, match="not a tree core; choose one of auto, rust, python"):
         choose_tree_core(params, hybrid=False, hicache=False, wanted="c++")
+    from kvplug.sglang.rust_core import KVPlugRustTreeCore
+
+    hybrid, _, _ = build("full+swa", "lru")  # a core built directly, past the backend
+    with pytest.raises(ConfigError, match="sliding-window.*KVPLUG_SGLANG_TREE_CORE=python"):
+        KVPlugRustTreeCore(hybrid.cache_init_params)
     monkeypatch.setenv("KVPLUG_SGLANG_TREE_CORE", "fast")
     with pytest.raises(ConfigError, match="KVPLUG_SGLANG_TREE_CORE='fast' is not a tree core"):
         choose_tree_core(params, hybrid=False, hicache=False)
