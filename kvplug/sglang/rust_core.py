@@ -61,6 +61,7 @@ from kvplug.sglang.tree_core import (
     NodeRecord,
     ReleasingRequest,
     accessed,
+    device_pages,
     prefix_digest,
     released_with,
     span_depth,
@@ -104,9 +105,7 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
                 "--radix-eviction-policy kvplug-<name>"
             )
         self.eviction_strategy = strategy
-        allocator = params.token_to_kv_pool_allocator
-        tokens = getattr(allocator, "size", 0) if allocator is not None else 0
-        self.num_pages = max(tokens // params.page_size, 1)
+        self.num_pages = device_pages(params)
         self.stats = CacheStats()  # kept across `reset`: counters since start-up
         self.releasing: ReleasingRequest | None = None  # set by `KVPlugRadixCache`
         self.evict_goal: int | None = None  # tokens an allocation's eviction must free

@@ -156,6 +156,14 @@ class ReleasingRequest:
         record.request_output = self.output
 
 
+def device_pages(params: Any) -> int:
+    """The pages of full-attention KV SGLang's `CacheInitParams` give the device pool (at
+    least 1): what the tree's policy is bound to."""
+    allocator = params.token_to_kv_pool_allocator
+    tokens = getattr(allocator, "size", 0) if allocator is not None else 0
+    return max(tokens // params.page_size, 1)
+
+
 def accessed(eviction: EvictionCore[Any], record: NodeRecord) -> None:
     """SGLang stamped the node as accessed now: the core hears of it (`touch`), and an
     evictable node is ranked again, as if released now; a held one keeps the access for
@@ -216,8 +224,7 @@ class KVPlugTreeCoreMixin:
 
     def __init__(self, params: Any, components: dict[Any, Any]) -> None:
         allocator = params.token_to_kv_pool_allocator
-        tokens = getattr(allocator, "size", 0) if allocator is not None else 0
-        self.num_pages = max(tokens // params.page_size, 1)
+        self.num_pages = device_pages(params)
         swa_tokens = getattr(allocator, "size_swa", 0) if allocator is not None else 0
         mamba_pool = getattr(params.req_to_token_pool, "mamba_pool", None)
         self.state_capacity = {  # what each ranked component's policy is bound to

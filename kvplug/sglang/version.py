@@ -54,6 +54,8 @@ PRIVATE_NAMES = (
         "UnifiedTreeCore._session_lru_predicate",
     ),
     ("sglang.srt.mem_cache.unified_cache.unified_tree_core", "UnifiedLRUList.insert_after"),
+    # SGLang's own reasons its Rust tree core cannot serve (the backend's choice of core)
+    ("sglang.srt.mem_cache.unified_cache.tree_core_registry", "_rust_fallback_reason"),
     (
         "sglang.srt.mem_cache.unified_cache.unified_tree_core",
         "UnifiedLRUList.reset_node_and_window_ancestors_mru",
