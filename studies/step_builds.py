@@ -28,6 +28,7 @@ from pathlib import Path
 
 import kvplug.bench.vllm_step as current
 
+COMPILED_MODULES = ["kvplug/core/dense.py"]  # as setup.py's
 SUBPACKAGES = r"vllm|policies|core|bench|config|errors|replay|hybrid|sglang|serving|tools|cli"
 SUBPACKAGES += r"|kernels|fleet"
 
@@ -49,6 +50,36 @@ def extract_build(revision: str, into: Path) -> str:
         text = re.sub(rf"\bkvplug\.({SUBPACKAGES})\b", rf"{name}.\1", text)
         path.write_text(text)
     return name
+
+
+def compile_build(into: Path, name: str) -> list[str]:
+    """Compile the extracted build's modules that an install compiles (``setup.py``'s
+    `COMPILED_MODULES`, with its flags), so that both builds run compiled where this
+    tree does; the modules compiled (none without Cython, or with a revision from
+    before there were any)."""
+    try:
+        from Cython.Build import cythonize
+    except ImportError:
+        return []
+    from setuptools import Distribution, Extension
+    from setuptools.command.build_ext import build_ext
+
+    extensions = [
+        Extension(
+            f"{name}.{module[len('kvplug/') : -3].replace('/', '.')}",
+            [str(into / name / module[len("kvplug/") :])],
+            extra_compile_args=["-O2", "-ffp-contract=off"],
+        )
+        for module in COMPILED_MODULES
+        if (into / name / module[len("kvplug/") :]).exists()
+    ]
+    if not extensions:
+        return []
+    command = build_ext(Distribution({"ext_modules": cythonize(extensions, quiet=True)}))
+    command.build_lib, command.build_temp = str(into), str(into / "build")
+    command.finalize_options()
+    command.run()
+    return [ext.name for ext in extensions]
 
 
 def compare(builds: dict[str, object], policies: list[str], blocks: int, rounds: int,
@@ -84,6 +115,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         other = extract_build(args.against, Path(tmp))
+        print("compiled in the other build:", ", ".join(compile_build(Path(tmp), other)) or "none")
         sys.path.insert(0, tmp)
         other_step = importlib.import_module(f"{other}.bench.vllm_step")
         builds = {"this tree": current, args.against: other_step}

@@ -12,9 +12,10 @@ a compiler is present (``COMPILED``), and run as plain Python otherwise. Both ru
 tests, and both make the generic core's decisions (a differential test checks it).
 
 What `CostPolicy` learns stays on the policy object: its closed trials and reuses per
-class (``_tried``, ``_reused``), its classes (``_classes``), its inflation, its ghost
-history of evicted keys. The core writes them as the policy would, so ``learned()`` and
-``inflation`` read the same.
+class (``_tried``, ``_reused``), its classes (``_classes``), its inflation. The core
+writes them as the policy would, so ``learned()`` and ``inflation`` read the same. Its
+ghost history of evicted keys is the core's own (`VictimHistory`, shared with the cache's
+record of recent victims): the same entries, in the same order, as the policy's.
 
 Per block (an *identity*: a block renews it each time it caches a new hash, `insert_chain`)
 the core keeps a serial (-1: no identity), its parent and the parent's serial at link
@@ -42,7 +43,7 @@ Invariants (`check_invariants`):
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import cython
@@ -56,17 +57,391 @@ _ONE = cython.declare(cython.longlong, 1 << FRACTION_BITS)
 _FRACTION = cython.declare(cython.longlong, (1 << FRACTION_BITS) - 1)
 
 
+_GHOST = cython.declare(cython.char, 1)
+_RECENT = cython.declare(cython.char, 2)
+
+
+@cython.final
+@cython.cclass
+class VictimHistory:
+    """A cache's recent victims' keys as two records kept over one ring, in the order
+    their identities ended: the *ghosts* (a victim whose reuse trial was open, with its
+    reuses and class code packed in an int: `CostPolicy`'s ghost history, the latest
+    `ghost_capacity`) and the *recent* victims (the latest `recent_capacity`, whose
+    re-cache counts as churn). Each record keeps exactly what an `OrderedDict` of its own
+    would (a key filed again keeps its place; trimming drops the oldest; taking a key
+    back removes it), but a victim filed into both at once is one entry, so it costs one
+    index insert and, once it has left both records, one delete (two `OrderedDict`s cost
+    four dict operations and two linked nodes). A key filed into a record it is not in
+    while the other record holds it gets an entry of its own at the tail, as that
+    record's `OrderedDict` would append it.
+
+    The ring holds absolute positions at slot ``position & mask``: each filed key, its
+    hash, its ghost value and its flags (which records hold it; none: dead, its key
+    dropped). The ring grows or is compacted, never overwritten, when it fills. The
+    index finds a key's position: an open-addressing table of (hash, position) pairs,
+    linear probing, deletion by backward shift, at most half full; a hash match is
+    confirmed against the ring's key, so a lookup is exact. It keeps the hashes in C
+    arrays: a filing, a lookup or a deletion reads no key object but the one looked up
+    (a dict of the keys read each entry's key while it probed and deleted).
+
+    Invariants (`check`): the index holds exactly the positions of the slots with flags,
+    each under its key's hash; a key has at most one entry per record (flag); every
+    position below ``ghost_head`` (``recent_head``)
+    holds no ghost (recent) flag; ``num_ghosts`` and ``num_recent`` count the flags and
+    stay within their capacities once a filing call returns.
+
+    As a mapping it is the recent record (what a pool's ``_evicted`` record of recent
+    victims answers: ``history[key] = None``, ``pop``, ``len``, ``popitem``)."""
+
+    keys: list
+    hashes: cython.longlong[:]
+    flags: cython.char[:]
+    values: cython.longlong[:]
+    index: cython.longlong[:]  # (hash, position) pairs; position -1: empty
+    index_mask: cython.Py_ssize_t  # pairs in the index, less one
+    num_filed: cython.Py_ssize_t
+    mask: cython.Py_ssize_t
+    tail: cython.longlong
+    ghost_head: cython.longlong
+    recent_head: cython.longlong
+    num_ghosts = cython.declare(cython.Py_ssize_t, visibility="readonly")
+    num_recent = cython.declare(cython.Py_ssize_t, visibility="readonly")
+    ghost_capacity = cython.declare(cython.Py_ssize_t, visibility="readonly")
+    recent_capacity = cython.declare(cython.Py_ssize_t, visibility="readonly")
+
+    def __init__(self, ghost_capacity: int, recent_capacity: int) -> None:
+        self.ghost_capacity = ghost_capacity
+        self.recent_capacity = recent_capacity
+        self.num_filed = 0
+        self.tail = 0
+        self.ghost_head = 0
+        self.recent_head = 0
+        self.num_ghosts = 0
+        self.num_recent = 0
+        self._allocate(64)
+
+    # -- what a cache reports -------------------------------------------------------------
+    @cython.ccall
+    def file(self, key: object, ghost: cython.longlong, recent: cython.bint) -> cython.void:
+        """A victim's `key`: a ghost with value `ghost` (reuses << 10 | class code; -1:
+        none), and with `recent` a recent victim's (if that record keeps any), whose
+        oldest beyond capacity leave. The caller trims the ghosts
+        (`drop_oldest_ghost`), closing the dropped trials."""
+        flags: cython.char = 0
+        if ghost >= 0:
+            flags = _GHOST
+        if recent and self.recent_capacity > 0:
+            flags |= _RECENT
+        if not flags:
+            return
+        slot: cython.Py_ssize_t = self._file(key, flags)
+        if slot >= 0:
+            self.values[slot] = ghost
+        while self.num_recent > self.recent_capacity:
+            self._drop_oldest_recent()
+
+    @cython.ccall
+    def take_ghost(self, key: object) -> cython.longlong:
+        """`key` is cached again: its ghost's value, which leaves (-1: it had none)."""
+        position: cython.longlong = self._find(key, hash(key), _GHOST)
+        if position < 0:
+            return -1
+        slot: cython.Py_ssize_t = position & self.mask
+        self.num_ghosts -= 1
+        self._unflag(position, _GHOST)
+        return self.values[slot]
+
+    @cython.ccall
+    def take_recent(self, key: object) -> cython.bint:
+        """`key` is cached again: whether it was a recent victim's (then it leaves)."""
+        position: cython.longlong = self._find(key, hash(key), _RECENT)
+        if position < 0:
+            return False
+        self.num_recent -= 1
+        self._unflag(position, _RECENT)
+        return True
+
+    @cython.ccall
+    def drop_oldest_ghost(self) -> cython.longlong:
+        """The oldest ghost leaves; its value."""
+        if not self.num_ghosts:
+            raise KeyError("no ghost to drop")
+        while not self.flags[self.ghost_head & self.mask] & _GHOST:
+            self.ghost_head += 1
+        position: cython.longlong = self.ghost_head
+        self.ghost_head += 1
+        self.num_ghosts -= 1
+        self._unflag(position, _GHOST)
+        return self.values[position & self.mask]
+
+    @cython.ccall
+    def drop_oldest_recent(self) -> object:
+        """The oldest recent victim's key leaves; the key."""
+        if not self.num_recent:
+            raise KeyError("no recent victim to drop")
+        key = self.keys[self._oldest_recent() & self.mask]
+        self._drop_oldest_recent()
+        return key
+
+    # -- the mapping a pool's record of recent victims answers -----------------------------
+    def __setitem__(self, key: object, value: object) -> None:
+        self.file(key, -1, True)
+
+    def pop(self, key: object, default: object = None) -> object:
+        """None if `key` was a recent victim's (it leaves), else `default`: `dict.pop`
+        for a record whose values are None."""
+        return None if self.take_recent(key) else default
+
+    def popitem(self, last: bool = True) -> tuple:
+        if last or not self.num_recent:
+            raise KeyError("VictimHistory pops only its oldest recent victim (last=False)")
+        return (self.drop_oldest_recent(), None)
+
+    def __len__(self) -> int:
+        return self.num_recent
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.recent_keys())
+
+    def __contains__(self, key: object) -> bool:
+        return self._find(key, hash(key), _RECENT) >= 0
+
+    # -- views ----------------------------------------------------------------------------
+    def ghost_items(self) -> list[tuple[Any, int]]:
+        """The ghosts, oldest first, as (key, value): an `OrderedDict`'s ``items()``."""
+        return [
+            (self.keys[p & self.mask], self.values[p & self.mask])
+            for p in range(self.ghost_head, self.tail)
+            if self.flags[p & self.mask] & _GHOST
+        ]
+
+    def recent_keys(self) -> list[Any]:
+        """The recent victims' keys, oldest first."""
+        return [
+            self.keys[p & self.mask]
+            for p in range(self.recent_head, self.tail)
+            if self.flags[p & self.mask] & _RECENT
+        ]
+
+    def check(self) -> None:
+        """Raise AssertionError if an invariant of the class doc does not hold."""
+        size = self.mask + 1
+        low = min(self.ghost_head, self.recent_head)
+        assert self.tail - low <= size, "ring span"
+        ghosts = recent = 0
+        filed = {}
+        for p in range(low, self.tail):
+            slot = p & self.mask
+            flags = self.flags[slot]
+            for flag in (_GHOST, _RECENT):
+                if flags & flag:
+                    assert (self.keys[slot], flag) not in filed, "a key twice in a record"
+                    filed[(self.keys[slot], flag)] = p
+            if flags & _GHOST:
+                assert p >= self.ghost_head, "a ghost below its head"
+                ghosts += 1
+            if flags & _RECENT:
+                assert p >= self.recent_head, "a recent victim below its head"
+                recent += 1
+        assert len(set(filed.values())) == self.num_filed, "filed entries"
+        for (key, flag), p in filed.items():
+            assert self._find(key, hash(key), flag) == p, "a filed key the index misses"
+            assert self.hashes[p & self.mask] == hash(key), "a stale hash"
+        occupied = [i for i in range(self.index_mask + 1) if self.index[2 * i + 1] >= 0]
+        assert len(occupied) == self.num_filed, "index entries"
+        assert 2 * self.num_filed <= self.index_mask + 1, "the index over half full"
+        assert ghosts == self.num_ghosts <= max(self.ghost_capacity, 0), "ghost count"
+        assert recent == self.num_recent <= max(self.recent_capacity, 0), "recent count"
+
+    # -- internals ------------------------------------------------------------------------
+    @cython.cfunc
+    def _file(self, key: object, flags: cython.char) -> cython.Py_ssize_t:
+        """`key` in the records of `flags` (a record holding it already keeps its place);
+        the slot of its ghost (-1: none)."""
+        if self.tail - min(self.ghost_head, self.recent_head) > self.mask:
+            self._make_room()
+        hashed: cython.longlong = hash(key)
+        ghost: cython.longlong = -1
+        new: cython.char = flags
+        if self.num_filed:
+            if flags & _GHOST:
+                ghost = self._find(key, hashed, _GHOST)
+                if ghost >= 0:
+                    new &= ~_GHOST
+            if flags & _RECENT and self._find(key, hashed, _RECENT) >= 0:
+                new &= ~_RECENT
+        if new:  # an entry at the tail for the records the key is not in
+            position: cython.longlong = self.tail
+            slot: cython.Py_ssize_t = position & self.mask
+            self.keys[slot] = key
+            self.hashes[slot] = hashed
+            self.flags[slot] = new
+            self.tail += 1
+            self._index_insert(hashed, position)
+            self.num_filed += 1
+            if new & _GHOST:
+                self.num_ghosts += 1
+                ghost = position
+            if new & _RECENT:
+                self.num_recent += 1
+        return ghost & self.mask if ghost >= 0 else -1
+
+    @cython.cfunc
+    def _oldest_recent(self) -> cython.longlong:
+        """The oldest recent victim's position (there is one); the head moves to it."""
+        while not self.flags[self.recent_head & self.mask] & _RECENT:
+            self.recent_head += 1
+        return self.recent_head
+
+    @cython.cfunc
+    def _drop_oldest_recent(self) -> cython.void:
+        position: cython.longlong = self._oldest_recent()
+        self.recent_head += 1
+        self.num_recent -= 1
+        self._unflag(position, _RECENT)
+
+    @cython.cfunc
+    def _unflag(self, position: cython.longlong, flag: cython.char) -> cython.void:
+        slot: cython.Py_ssize_t = position & self.mask
+        self.flags[slot] &= ~flag
+        if not self.flags[slot]:
+            self._index_delete(self.hashes[slot], position)
+            self.num_filed -= 1
+            self.keys[slot] = None
+        if not self.num_ghosts:
+            self.ghost_head = self.tail
+        if not self.num_recent:
+            self.recent_head = self.tail
+
+    @cython.cfunc
+    def _make_room(self) -> cython.void:
+        """The ring is full. With more than a quarter of its slots live, the live slots
+        move to a ring twice as large, each at its own position; else they are refiled
+        in order from the tail on (new positions), in a ring as large. Either leaves at
+        least half the ring free, so a filing moves at most one entry, amortized; the
+        index is rebuilt for the new ring."""
+        size: cython.Py_ssize_t = self.mask + 1
+        low: cython.longlong = min(self.ghost_head, self.recent_head)
+        p: cython.longlong
+        slot: cython.Py_ssize_t
+        live: cython.Py_ssize_t = 0
+        for p in range(low, self.tail):
+            if self.flags[p & self.mask]:
+                live += 1
+        keys: list = self.keys
+        hashes: cython.longlong[:] = self.hashes
+        flags: cython.char[:] = self.flags
+        values: cython.longlong[:] = self.values
+        mask: cython.Py_ssize_t = self.mask
+        grow: cython.bint = 4 * live > size
+        self._allocate(2 * size if grow else size)
+        at: cython.longlong = self.tail
+        if not grow:
+            self.ghost_head = self.recent_head = -1
+        for p in range(low, self.tail):
+            slot = p & mask
+            if not flags[slot]:
+                continue
+            if grow:
+                at = p
+            self.keys[at & self.mask] = keys[slot]
+            self.hashes[at & self.mask] = hashes[slot]
+            self.flags[at & self.mask] = flags[slot]
+            self.values[at & self.mask] = values[slot]
+            self._index_insert(hashes[slot], at)
+            if not grow:
+                if flags[slot] & _GHOST and self.ghost_head < 0:
+                    self.ghost_head = at
+                if flags[slot] & _RECENT and self.recent_head < 0:
+                    self.recent_head = at
+                at += 1
+        if grow:
+            return
+        self.tail = at
+        if self.ghost_head < 0:
+            self.ghost_head = at
+        if self.recent_head < 0:
+            self.recent_head = at
+
+    @cython.cfunc
+    def _allocate(self, size: cython.Py_ssize_t) -> cython.void:
+        """An empty ring of `size` slots (a power of two) and an empty index for it."""
+        self.keys = [None] * size
+        self.hashes = array("q", [0]) * size
+        self.flags = array("b", [0]) * size
+        self.values = array("q", [0]) * size
+        self.mask = size - 1
+        self.index = array("q", [0, -1]) * (2 * size)
+        self.index_mask = 2 * size - 1
+
+    @cython.cfunc
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def _find(self, key: object, hashed: cython.longlong, flag: cython.char) -> cython.longlong:
+        """The position of `key`'s entry in the record of `flag` (-1: none)."""
+        index: cython.longlong[:] = self.index
+        i: cython.Py_ssize_t = hashed & self.index_mask
+        position: cython.longlong
+        while True:
+            position = index[2 * i + 1]
+            if position < 0:
+                return -1
+            if index[2 * i] == hashed and self.flags[position & self.mask] & flag:
+                found = self.keys[position & self.mask]
+                if found is key or found == key:
+                    return position
+            i = (i + 1) & self.index_mask
+
+    @cython.cfunc
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def _index_insert(self, hashed: cython.longlong, position: cython.longlong) -> cython.void:
+        index: cython.longlong[:] = self.index
+        i: cython.Py_ssize_t = hashed & self.index_mask
+        while index[2 * i + 1] >= 0:
+            i = (i + 1) & self.index_mask
+        index[2 * i] = hashed
+        index[2 * i + 1] = position
+
+    @cython.cfunc
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def _index_delete(self, hashed: cython.longlong, position: cython.longlong) -> cython.void:
+        """Remove the entry of `position`, filed under `hashed`, shifting back the entries
+        after it in its probe run that may move (linear probing's deletion)."""
+        index: cython.longlong[:] = self.index
+        mask: cython.Py_ssize_t = self.index_mask
+        i: cython.Py_ssize_t = hashed & mask
+        while index[2 * i + 1] != position:
+            i = (i + 1) & mask
+        j: cython.Py_ssize_t = i
+        home: cython.Py_ssize_t
+        while True:
+            j = (j + 1) & mask
+            if index[2 * j + 1] < 0:
+                break
+            home = index[2 * j] & mask
+            # the entry at j may fill the hole at i unless its home lies in (i, j]
+            if (i <= j and (home <= i or home > j)) or (i > j and home <= i and home > j):
+                index[2 * i] = index[2 * j]
+                index[2 * i + 1] = index[2 * j + 1]
+                i = j
+        index[2 * i + 1] = -1
+
+
 @cython.cclass
 class DenseCostCore:
     """`EvictionCore` with `CostPolicy`'s ranking over blocks ``0 .. num_nodes - 1``
     (see the module doc). `keys` is the cache's list of each block's key (its hash), read
     when a block's key goes to the ghost history or comes back from it, and cleared when
     `pop_victims` evicts it. With `objects` (the cache's block objects, by id),
-    `pop_victims` returns those instead of ids; with `recent`, it also appends each
-    victim's key there, keeping the latest `recent_capacity` (a cache's record of recent
-    victims, for churn). The cache's objects carry their id as ``block_id``, their
-    current key as `key_attribute` and the tokens it covers as `tokens_attribute`
-    (`record_objects`, `release_objects`, `prepend_objects`, `push_fresh`)."""
+    `pop_victims` returns those instead of ids. Its `history` (`VictimHistory`) keeps
+    the policy's ghost history and, with `recent_capacity`, the cache's record of its
+    latest victims (churn: `record_objects` counts a key back from it). The cache's
+    objects carry their id as ``block_id``, their current key as `key_attribute` and the
+    tokens it covers as `tokens_attribute` (`record_objects`, `release_objects`,
+    `prepend_objects`, `push_fresh`)."""
 
     serial: cython.longlong[:]
     parent: cython.int[:]
@@ -92,6 +467,7 @@ class DenseCostCore:
     fresh_head: cython.int
     fresh_tail: cython.int
     num_fresh = cython.declare(cython.Py_ssize_t, visibility="readonly")
+    last_victims = cython.declare(cython.Py_ssize_t, visibility="readonly")  # `take_n`'s
     heap: cython.int[:]
     pos: cython.int[:]
     tried: cython.longlong[:]
@@ -109,15 +485,12 @@ class DenseCostCore:
     prices_tiers: cython.bint
     tiers_seen: cython.bint
     reload: cython.double
-    ghost_capacity: cython.Py_ssize_t
+    history = cython.declare(VictimHistory, visibility="readonly")
     policy: object
     keys: list
     objects: object
-    recent: object
-    recent_capacity: cython.Py_ssize_t
     key_attribute: str
     tokens_attribute: str
-    ghosts: object
     by_depth: list
     classes: dict
 
@@ -127,7 +500,6 @@ class DenseCostCore:
         num_nodes: int,
         keys: list,
         objects: list | None = None,
-        recent: OrderedDict | None = None,
         recent_capacity: int = 0,
         key_attribute: str = "key",
         tokens_attribute: str = "key_tokens",
@@ -136,8 +508,6 @@ class DenseCostCore:
         self.policy = policy
         self.keys = keys
         self.objects = objects
-        self.recent = recent
-        self.recent_capacity = recent_capacity
         self.key_attribute = key_attribute
         self.tokens_attribute = tokens_attribute
         self.serial = array("q", [-1]) * n
@@ -163,6 +533,7 @@ class DenseCostCore:
         self.fresh_head = -1
         self.fresh_tail = -1
         self.num_fresh = 0
+        self.last_victims = 0
         self.entered = 0
         self.heap = array("i", [0]) * max(n, 1)
         self.pos = array("i", [-1]) * n
@@ -183,8 +554,7 @@ class DenseCostCore:
         self.prices_tiers = policy.prices_tiers
         self.tiers_seen = False
         self.reload = 0.0
-        self.ghost_capacity = policy._ghost_capacity
-        self.ghosts = policy._ghosts
+        self.history = VictimHistory(policy._ghost_capacity, recent_capacity)
         self.by_depth = policy.value.by_depth
         self.classes = policy._classes
 
@@ -206,7 +576,7 @@ class DenseCostCore:
             if children[parent] == 1 and self.evictable[parent]:
                 self._discard(parent)
         above: cython.int = parent
-        ghosts = self.ghosts
+        history: VictimHistory = self.history
         keys: list = self.keys
         node: cython.int
         i: cython.Py_ssize_t
@@ -229,12 +599,11 @@ class DenseCostCore:
             self.credit[node] = 0
             self.ranked[node] = 0
             above = node
-        if ghosts:
+        if history.num_ghosts:
             for i in range(n):
                 node = nodes[i]
-                found = ghosts.pop(keys[node], None)
-                if found is not None:
-                    ghost = found
+                ghost = history.take_ghost(keys[node])
+                if ghost >= 0:
                     self._close(ghost & 1023, True)
                     self.credit[node] = (ghost >> 10) + 1
         self._inserted(nodes)
@@ -293,11 +662,11 @@ class DenseCostCore:
         chain), a run at a time (`insert_chain`), at the depth its key's token count
         (`tokens_attribute`; none: a whole block of `block_size`) puts it. Each key is
         noted in the cache's keys, and counted as churn if it was a recent victim's (it
-        leaves `recent`). Stops before the first object whose block already has a key the
-        cache accounts for, which the cache records itself. Returns (where it stopped,
-        the parent there, identities made, churn)."""
+        leaves the history's recent record). Stops before the first object whose block
+        already has a key the cache accounts for, which the cache records itself. Returns
+        (where it stopped, the parent there, identities made, churn)."""
         keys: list = self.keys
-        recent = self.recent
+        history: VictimHistory = self.history
         name = self.key_attribute
         tokens_name = self.tokens_attribute
         run: list = []
@@ -320,9 +689,9 @@ class DenseCostCore:
             if keys[node] is not None:
                 if run:
                     self.insert_chain(run, depths, parent)
-                    parent = run[-1]
+                    parent = run[len(run) - 1]
                 return (i, parent, recorded, churn)
-            if recent is not None and recent.pop(key, 0) is None:
+            if history.num_recent and history.take_recent(key):
                 churn += 1
             keys[node] = key
             tokens = getattr(item, tokens_name)
@@ -421,6 +790,42 @@ class DenseCostCore:
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
+    def touch_objects(self, objects: list, null_counts: cython.bint) -> int:
+        """An engine's touch of a request's prefix hit (vLLM's `BlockPool.touch`), in
+        one pass: each object whose key the cache accounts for is hit (`hit_n`), each
+        free one leaves the fresh list or the candidates (`reclaim`), and each gains a
+        reference (``ref_cnt``). A null object (``is_null``) is skipped, or with
+        `null_counts` only gains its reference. Returns how many were hit."""
+        keys: list = self.keys
+        name = self.key_attribute
+        hit: cython.Py_ssize_t = 0
+        node: cython.int
+        code: cython.int
+        for item in objects:
+            if item.is_null:
+                if null_counts:
+                    item.ref_cnt += 1
+                continue
+            node = item.block_id
+            key = keys[node]
+            if key is not None and key == getattr(item, name):
+                hit += 1
+                self.hits[node] += 1
+                code = self.trial[node]
+                if code >= 0:
+                    self.trial[node] = -1
+                    self._close(code, True)
+                self._was_hit(node)
+            if item.ref_cnt == 0:
+                if self.in_fresh[node]:
+                    self._fresh_unlink(node)
+                else:
+                    self.reclaim(node)
+            item.ref_cnt += 1
+        return hit
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
     def hit_n(self, nodes: list) -> None:
         """A lookup reused each of `nodes`: a hit, which closes its open trial as reused."""
         node: cython.int
@@ -485,7 +890,7 @@ class DenseCostCore:
             # L rises to the policy's own victims only (`CostPolicy.remove`)
             if self.serial[node] == self.chosen_serial and self.rank[node] > self.inflation:
                 self._inflate(self.rank[node])
-        self._forget(node)
+        self._forget(node, False)
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
@@ -503,7 +908,7 @@ class DenseCostCore:
         evictable: cython.char[:] = self.evictable
         keys: list = self.keys
         objects = self.objects
-        recent = self.recent
+        recent: cython.bint = self.history.recent_capacity > 0
         following: cython.int = -1  # a parent known to be the next victim
         while taken < n:
             if following >= 0:
@@ -529,18 +934,13 @@ class DenseCostCore:
                 top = self.rank[node]
             self.ranked[node] = 0
             self.chosen_serial = serial[node]
-            self._forget(node)
-            if recent is not None:
-                recent[keys[node]] = None
+            self._forget(node, recent)
             keys[node] = None
             victims.append(node if objects is None else objects[node])
             taken += 1
         self.num_evictable -= taken
         if top > self.inflation:
             self._inflate(top)
-        if recent is not None:
-            while len(recent) > self.recent_capacity:
-                recent.popitem(last=False)
         return victims
 
     def next_victim(self) -> int:
@@ -584,6 +984,18 @@ class DenseCostCore:
             self._fresh_prepend(item.block_id)
         keyed.reverse()
         return keyed
+
+    def take_n(self, n: cython.Py_ssize_t) -> list:
+        """An engine's hand-out of `n` free blocks (the cache's objects): fresh ones
+        first (`pop_fresh`), then the policy's victims (`pop_victims`), fewer once none
+        is left; `last_victims` says how many were victims."""
+        taken: list = self.pop_fresh(n) if self.num_fresh else []
+        self.last_victims = 0
+        if len(taken) < n:
+            victims: list = self.pop_victims(n - len(taken))
+            self.last_victims = len(victims)
+            taken.extend(victims)
+        return taken
 
     def pop_fresh(self, n: cython.Py_ssize_t) -> list:
         """Up to `n` fresh blocks from the head of the list, taken out of it (the cache's
@@ -732,20 +1144,24 @@ class DenseCostCore:
         fresh = self.fresh_nodes()
         assert len(fresh) == self.num_fresh == sum(self.in_fresh), "fresh count"
         assert all(self.serial[node] < 0 for node in fresh), "a fresh block with an identity"
+        self.history.check()
 
     # -- internals ----------------------------------------------------------------------
     @cython.cfunc
-    def _forget(self, node: cython.int) -> cython.void:
+    def _forget(self, node: cython.int, victim: cython.bint) -> cython.void:
         """The end of `node`'s identity: its open trial's key goes to the ghost history
-        (which forgets its oldest beyond capacity, closing those trials unreused)."""
+        (which forgets its oldest beyond capacity, closing those trials unreused) and,
+        a `victim`'s, to the record of recent victims."""
         code: cython.int = self.trial[node]
+        ghost: cython.longlong = -1
         if code >= 0:
             self.trial[node] = -1
-            ghosts = self.ghosts
-            ghosts[self.keys[node]] = (self.hits[node] + self.credit[node]) << 10 | code
-            while len(ghosts) > self.ghost_capacity:
-                old: cython.longlong = ghosts.popitem(last=False)[1]
-                self._close(old & 1023, False)
+            ghost = (self.hits[node] + self.credit[node]) << 10 | code
+        if ghost >= 0 or victim:
+            history: VictimHistory = self.history
+            history.file(self.keys[node], ghost, victim)
+            while history.num_ghosts > history.ghost_capacity:
+                self._close(history.drop_oldest_ghost() & 1023, False)
         self.credit[node] = 0
         self.serial[node] = -1
 
@@ -984,10 +1400,14 @@ class DenseLearnedCore(DenseCostCore):
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def count_new_keys(
-    objects: list, start: cython.Py_ssize_t, end: cython.Py_ssize_t, name: str, recent: Any
+    objects: list,
+    start: cython.Py_ssize_t,
+    end: cython.Py_ssize_t,
+    name: str,
+    recent: VictimHistory,
 ) -> tuple[int, int]:
     """Of ``objects[start:end]``, just given keys (attribute `name`; None: none): how many
-    hold one, and how many of those keys were recent victims (each leaves `recent`, a
+    hold one, and how many of those keys were recent victims (each leaves `recent`, the
     cache's record of recent victims: a re-cache, churn). One compiled pass for an engine
     pool that keeps no identities (vLLM's own queue under ``lru``)."""
     keyed: cython.Py_ssize_t = 0
@@ -997,7 +1417,7 @@ def count_new_keys(
         key = getattr(objects[i], name)
         if key is not None:
             keyed += 1
-            if recent.pop(key, 0) is None:
+            if recent.num_recent and recent.take_recent(key):
                 again += 1
     return (keyed, again)
 

@@ -45,7 +45,6 @@ Invariants (checked by `check_invariants`):
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import count
@@ -54,7 +53,7 @@ from typing import Any, ClassVar
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
-from kvplug.core.dense import count_new_keys
+from kvplug.core.dense import VictimHistory, count_new_keys
 from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.core.groups import GroupKind
 from kvplug.policies import make_policy
@@ -157,7 +156,9 @@ class KVPlugBlockPool(BlockPool):
         self._tier_copies: set[int] = set()
         self._serials = count()
         self.releasing = Release()
-        self._evicted: OrderedDict[Any, None] = OrderedDict()  # recent victims' hashes
+        # the latest num_gpu_blocks victims' hashes, for churn (an ordered mapping whose
+        # values are None, in one dict; a dense pool shares its core's)
+        self._evicted: VictimHistory = VictimHistory(0, self.num_gpu_blocks)
         self.use_policy(policy or make_policy("lru" if not self.tracked else "cost"), PoolStats())
 
     @property
@@ -270,6 +271,8 @@ class KVPlugBlockPool(BlockPool):
         block_mask: list[bool] | None = None,
     ) -> None:
         """Cache blocks as vLLM does, then record each new block below its parent."""
+        if num_cached_blocks >= num_full_blocks:  # vLLM's own no-op, made per request
+            return
         super().cache_full_blocks(
             request, blocks, num_cached_blocks, num_full_blocks, block_size,
             kv_cache_group_id, block_mask,
@@ -697,6 +700,8 @@ class ReleaseOrderPool(KVPlugBlockPool):
         """vLLM's, then the new hashes counted. Until vLLM registers a partial entry (a
         hash for part of a block, see `cache_partial_block`), the blocks being cached hold
         no hash yet, so no before-state is needed."""
+        if num_cached_blocks >= num_full_blocks:  # vLLM's own no-op, made per request
+            return
         new = blocks[num_cached_blocks:num_full_blocks] if self._partial_entries else []
         before = [b._block_hash for b in new] if self._partial_entries else None
         BlockPool.cache_full_blocks(

@@ -14,6 +14,9 @@ number, so the rest of the package reads one API:
   or to ``{block_id: block}`` when several blocks hold it (0.32-0.33); in 0.34 it maps a
   key to one block id, with every id of a duplicated key in ``_dup_ids``.
   `cached_blocks` and `cached_items` read either.
+- **The null block in a touch.** vLLM 0.32's `BlockPool.touch` gives the null block a
+  reference (and a metrics call); 0.33 skips it. `TOUCH_COUNTS_NULL` says which, found
+  by running vLLM's own `touch` once on a null block.
 - **A model runner's output.** `ModelRunnerOutput` took ``req_id_to_index`` up to 0.33;
   0.34 dropped it (a request's index is its place in ``req_ids``).
   `model_runner_output` builds one for either.
@@ -30,6 +33,20 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 # 0.34+: the hash is a public slot; before, a private slot behind a property
 PUBLIC_HASH_SLOTS = not isinstance(KVCacheBlock.__dict__.get("block_hash"), property)
+
+
+def _touch_counts_null() -> bool:
+    from types import SimpleNamespace
+
+    from vllm.v1.core.block_pool import BlockPool
+
+    null = KVCacheBlock(0)
+    null.is_null = True
+    BlockPool.touch(SimpleNamespace(free_block_queue=None, metrics_collector=None), [null])
+    return null.ref_cnt == 1
+
+
+TOUCH_COUNTS_NULL = _touch_counts_null()
 
 
 def install() -> None:

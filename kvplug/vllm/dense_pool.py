@@ -36,6 +36,7 @@ from kvplug.policies.base import EvictionPolicy
 from kvplug.policies.cost import CostPolicy
 from kvplug.policies.learned import LearnedPolicy
 from kvplug.vllm.block_pool import BlockStanding, KVPlugBlockPool
+from kvplug.vllm.compat import TOUCH_COUNTS_NULL
 from kvplug.vllm.free_queue import PolicyFreeQueue
 from kvplug.vllm.stats import PoolStats
 
@@ -114,12 +115,13 @@ class DenseCostPool(KVPlugBlockPool):
             len(self.blocks),
             self._keys,
             self.blocks,
-            self._evicted,
-            self.num_gpu_blocks,
+            self.num_gpu_blocks,  # recent victims remembered, for churn
             # vLLM's slots behind the `block_hash` property, and the tokens it covers
             "_block_hash",
             "_block_hash_num_tokens",
         )
+        # the pool's record of recent victims is the core's (kept beside its ghosts)
+        self._evicted = self.core.history
         free = [b for b in self.blocks if not b.is_null]
         self.free_block_queue = DenseFreeQueue(self, free)
 
@@ -142,8 +144,21 @@ class DenseCostPool(KVPlugBlockPool):
         return self.core.num_fresh + self.core.num_evictable
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """`KVPlugBlockPool.touch`: a reuse counts a hit first; a tier's hold does not."""
+        """`KVPlugBlockPool.touch`: a reuse counts a hit first; a tier's hold does not.
+        A prefix hit with no tier copy, evict-first lane or metrics collector in play
+        (the usual case) is one compiled pass (`DenseCostCore.touch_objects`)."""
         keys, copies = self._keys, self._tier_copies
+        if (
+            self.touch_counts_hits
+            and not copies
+            and not self.metrics_collector
+            and not self.free_block_queue._first_entry
+        ):
+            hit = self.core.touch_objects(
+                blocks if isinstance(blocks, list) else list(blocks), TOUCH_COUNTS_NULL
+            )
+            self.stats.block_hits += hit
+            return
         if not self.touch_counts_hits:
             for block in blocks:
                 if block.ref_cnt == 0 and keys[block.block_id] is not None:
@@ -174,6 +189,8 @@ class DenseCostPool(KVPlugBlockPool):
     ) -> None:
         """Cache blocks as vLLM does, then give each new block an identity below its
         parent (full attention) or alone (other groups)."""
+        if num_cached_blocks >= num_full_blocks:  # vLLM's own no-op, made per request
+            return
         BlockPool.cache_full_blocks(
             self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
             kv_cache_group_id, block_mask,
@@ -373,6 +390,18 @@ class DenseFreeQueue(PolicyFreeQueue):
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         core = self.core
+        if not self._first_entry:  # no evict-first lane: one compiled call
+            if core.num_fresh + core.num_evictable < n:
+                raise ValueError("Not enough free blocks are available")
+            handed: list[KVCacheBlock] = core.take_n(n)
+            evicted = core.last_victims
+            if evicted:  # `DenseCostPool.evict_n`'s counts
+                pool = self.pool
+                pool._num_keys -= evicted
+                pool.stats.evictions += evicted
+            if len(handed) < n:
+                handed += self.pool.evict_n(n - len(handed))
+            return handed
         taken: list[KVCacheBlock] = core.pop_fresh(n) if core.num_fresh else []
         if len(taken) < n:
             if len(taken) + core.num_evictable < n:

@@ -29,6 +29,7 @@ from kvplug.cli.bench import bench  # noqa: E402
 from kvplug.policies import make_policy  # noqa: E402
 from kvplug.tools.tiny_model import build_tiny_model  # noqa: E402
 from kvplug.vllm.block_pool import KVPlugBlockPool, pool_class  # noqa: E402
+from kvplug.vllm.dense_pool import DenseCostPool, DenseFreeQueue  # noqa: E402
 
 NUM_BLOCKS = 500
 STEPS = 24
@@ -155,8 +156,12 @@ def test_the_decision_digest_tells_policies_apart_and_repeats(
     assert decision_digest(model_dir, NUM_BLOCKS, "cost", STEPS, TINY) == cost
     assert decision_digest(model_dir, NUM_BLOCKS, "lru", STEPS, TINY) != cost
     served = pool_class(make_policy("cost"))
-    original = served.evict_n
-    monkeypatch.setattr(served, "evict_n", lambda self, n: original(self, n)[::-1])
+    # the dense pool's queue hands blocks out in one compiled call; the record pool's
+    # victims come from evict_n
+    taker = DenseFreeQueue if served is DenseCostPool else served
+    name = "popleft_n" if served is DenseCostPool else "evict_n"
+    original = getattr(taker, name)
+    monkeypatch.setattr(taker, name, lambda self, n: original(self, n)[::-1])
     assert decision_digest(model_dir, NUM_BLOCKS, "cost", STEPS, TINY) != cost
 
 

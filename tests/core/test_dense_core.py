@@ -209,7 +209,7 @@ def test_the_dense_core_decides_as_the_generic_core(name, ops, tier_pricing):
                 policy.inflation,
                 list(policy._tried),
                 list(policy._reused),
-                list(policy._ghosts.items()),
+                core.history.ghost_items(),
                 len(core),
                 core.num_evictable,
                 getattr(policy, "explain", dict)(),

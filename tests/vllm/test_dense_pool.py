@@ -83,6 +83,15 @@ def three_arms(capacity: int, policy: str = "cost") -> list[VLLMStockArm]:
     return [record, built, plain]
 
 
+def victim_history(pool: KVPlugBlockPool) -> tuple[list, list]:
+    """The ghosts (key, value) and the recent victims' keys, oldest first: the record
+    policy's ghosts and the pool's record, or the dense core's one history of both."""
+    if isinstance(pool, DenseCostPool):
+        assert pool._evicted is pool.core.history
+        return pool.core.history.ghost_items(), pool.core.history.recent_keys()
+    return list(pool.policy._ghosts.items()), pool._evicted.recent_keys()
+
+
 def state(arm: VLLMStockArm) -> tuple:
     pool = arm.manager.block_pool
     policy = pool.policy
@@ -94,7 +103,7 @@ def state(arm: VLLMStockArm) -> tuple:
         policy.inflation,
         list(policy._tried),
         list(policy._reused),
-        list(policy._ghosts.items()),
+        *victim_history(pool),
         dict(policy._classes),
         getattr(policy, "explain", dict)(),
         getattr(policy, "_mean_credit", None),

@@ -1,0 +1,125 @@
+"""`VictimHistory` keeps two records of a cache's victims over one ring and one index, as
+two ordered dicts would: checked against two `OrderedDict`s on random operations, compiled
+and as plain Python, through ring growth and compaction.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+from dense_plain import plain_dense_module
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvplug.core.dense
+
+MODULES = [kvplug.core.dense, plain_dense_module()]
+
+
+class Reference:
+    """The history's contract: a ghost `OrderedDict` and a recent one."""
+
+    def __init__(self, ghost_capacity: int, recent_capacity: int) -> None:
+        self.ghost_capacity, self.recent_capacity = ghost_capacity, recent_capacity
+        self.ghosts: OrderedDict[bytes, int] = OrderedDict()
+        self.recent: OrderedDict[bytes, None] = OrderedDict()
+
+    def file(self, key: bytes, ghost: int, recent: bool) -> None:
+        if ghost >= 0:
+            self.ghosts[key] = ghost
+        if recent and self.recent_capacity > 0:
+            self.recent[key] = None
+            while len(self.recent) > self.recent_capacity:
+                self.recent.popitem(last=False)
+
+    def take_ghost(self, key: bytes) -> int:
+        return self.ghosts.pop(key, -1)
+
+    def take_recent(self, key: bytes) -> bool:
+        return self.recent.pop(key, 0) is None
+
+    def drop_oldest_ghost(self) -> int:
+        return self.ghosts.popitem(last=False)[1]
+
+    def drop_oldest_recent(self) -> bytes:
+        return self.recent.popitem(last=False)[0]
+
+    def ghost_items(self) -> list[tuple[bytes, int]]:
+        return list(self.ghosts.items())
+
+    def recent_keys(self) -> list[bytes]:
+        return list(self.recent)
+
+
+keys = st.integers(0, 40).map(lambda i: b"k%d" % i)
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("victim"), keys, st.integers(-1, 5000), st.booleans()),
+        st.tuples(st.just("take_ghost"), keys),
+        st.tuples(st.just("take_recent"), keys),
+        st.tuples(st.just("popitem"), st.none()),
+    ),
+    max_size=300,
+)
+
+
+@pytest.mark.parametrize("module", MODULES, ids=["built", "plain"])
+@settings(max_examples=200, deadline=None)
+@given(ops=operations, ghost_capacity=st.integers(0, 30), recent_capacity=st.integers(0, 30))
+def test_the_history_keeps_what_its_reference_keeps(module, ops, ghost_capacity, recent_capacity):
+    history = module.VictimHistory(ghost_capacity, recent_capacity)
+    reference = Reference(ghost_capacity, recent_capacity)
+    for op in ops:
+        if op[0] == "victim":
+            _, key, ghost, recent = op
+            history.file(key, ghost, recent)
+            reference.file(key, ghost, recent)
+            while history.num_ghosts > ghost_capacity:  # the caller trims its ghosts
+                assert history.drop_oldest_ghost() == reference.drop_oldest_ghost()
+        elif op[0] == "take_ghost":
+            assert history.take_ghost(op[1]) == reference.take_ghost(op[1])
+        elif op[0] == "take_recent":
+            assert history.take_recent(op[1]) == reference.take_recent(op[1])
+        elif reference.recent:
+            assert history.popitem(last=False) == (reference.drop_oldest_recent(), None)
+        else:
+            with pytest.raises(KeyError):
+                history.popitem(last=False)
+        history.check()
+        assert history.ghost_items() == reference.ghost_items()
+        assert history.recent_keys() == reference.recent_keys()
+        assert len(history) == len(reference.recent)
+
+
+@pytest.mark.parametrize("module", MODULES, ids=["built", "plain"])
+def test_as_a_record_of_recent_victims_it_is_an_ordered_dict(module):
+    """What a pool does with its ``_evicted`` record: file, pop (churn), trim."""
+    history = module.VictimHistory(0, 100)
+    model: OrderedDict[bytes, None] = OrderedDict()
+    for i in range(5000):
+        key = b"k%d" % (i * 7919 % 331)
+        if i % 3:
+            history[key] = None
+            model[key] = None
+            while len(model) > 100:
+                model.popitem(last=False)
+        else:
+            assert history.pop(key, 0) is model.pop(key, 0)
+        assert (key in history) == (key in model)
+    assert history.recent_keys() == list(model) and len(history) == len(model)
+    history.check()
+
+
+@pytest.mark.parametrize("module", MODULES, ids=["built", "plain"])
+def test_the_ring_grows_and_compacts_with_its_records(module):
+    """Thousands of ghosts, most taken back: the ring stays within its live keys' span."""
+    history = module.VictimHistory(1000, 0)
+    for i in range(20_000):
+        history.file(b"g%d" % i, i, False)
+        while history.num_ghosts > 1000:
+            history.drop_oldest_ghost()
+        if i % 4:
+            assert history.take_ghost(b"g%d" % (i - 1)) in (-1, i - 1)
+    history.check()
+    assert history.num_ghosts <= 1000
