@@ -28,7 +28,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWind
 
 from kvplug.core.groups import GroupKind
 from kvplug.policies.base import EvictionPolicy
-from kvplug.vllm.block_pool import KVPlugBlockPool, Release, pool_class
+from kvplug.vllm.block_pool import KVPlugBlockPool, pool_class
 from kvplug.vllm.stats import PoolStats
 
 _swap_lock = threading.Lock()
@@ -90,15 +90,15 @@ class KVPlugKVCacheManager(KVCacheManager):
                     pool.rules.anchor(blocks[max(end - window, 0) : end])
         # its output is its output tokens, or ``kvplug_output_tokens`` where a caller
         # whose tokens are not model tokens sets it (the replay: a unit is a trace block)
+        # (set on the pool's one `Release` and reset after, not a new one per request)
         output = getattr(request, "kvplug_output_tokens", None)
-        self.block_pool.releasing = Release(
-            output_tokens=request.num_output_tokens if output is None else output,
-            request_hit=matched_tokens(request) > 0,
-        )
+        releasing = pool.releasing
+        releasing.output_tokens = request.num_output_tokens if output is None else output
+        releasing.request_hit = matched_tokens(request) > 0
         try:
             super().free(request)
         finally:
-            self.block_pool.releasing = Release()
+            releasing.output_tokens, releasing.request_hit = 0, False
 
 
 class ConnectorKVCacheManager(KVPlugKVCacheManager):
