@@ -156,8 +156,8 @@ class KVPlugBlockPool(BlockPool):
         self._tier_copies: set[int] = set()
         self._serials = count()
         self.releasing = Release()
-        # the latest num_gpu_blocks victims' hashes, for churn (an ordered mapping whose
-        # values are None, in one dict; a dense pool shares its core's)
+        # the latest num_gpu_blocks victims' hashes, for churn: an ordered mapping whose
+        # values are None (a dense pool's is its core's, beside the ghost history)
         self._evicted: VictimHistory = VictimHistory(0, self.num_gpu_blocks)
         self.use_policy(policy or make_policy("lru" if not self.tracked else "cost"), PoolStats())
 

@@ -36,6 +36,8 @@ PUBLIC_HASH_SLOTS = not isinstance(KVCacheBlock.__dict__.get("block_hash"), prop
 
 
 def _touch_counts_null() -> bool:
+    """Whether vLLM's `BlockPool.touch` gives the null block a reference: vLLM's own
+    `touch` run on a null block and no pool."""
     from types import SimpleNamespace
 
     from vllm.v1.core.block_pool import BlockPool

@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import count
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,6 +26,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvplug[v
 from dense_plain import plain_dense_module  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.kv_cache_utils import BlockHash  # noqa: E402
 
 import kvplug.core.dense  # noqa: E402
 from kvplug.core.groups import GroupKind  # noqa: E402
@@ -176,6 +179,30 @@ def test_the_free_queue_walks_the_dense_pools_eviction_order():
         assert walked == handed
         orders.append(walked)
     assert orders[0] == orders[1] == orders[2]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["built", "plain"])
+def test_a_prefix_hits_touch_is_vllms_touch_plus_the_hits(compiled):
+    """The compiled touch (`touch_objects`) does what vLLM's own `touch` does to every
+    block (the null block included, as this release treats it: a reference or none),
+    takes free ones out of the free queue, and counts the hits."""
+    args = {"num_gpu_blocks": 8, "enable_caching": True, "hash_block_size": 16}
+    with dense_choice("1", None if compiled else PLAIN_CORES):
+        pool = pool_class(make_policy("cost"))(**args, policy=make_policy("cost"))
+    stock = BlockPool(**args)
+    for each in (pool, stock):
+        blocks = each.get_new_blocks(3)
+        hashes = [BlockHash(b"k%d" % i) for i in range(3)]
+        request = SimpleNamespace(block_hashes=hashes, request_id="r", lora_request=None)
+        each.cache_full_blocks(request, blocks, 0, 3, 16, 0)
+        each.free_blocks(reversed(blocks))
+        each.touch_counts_hits = True
+        each.touch([each.null_block, *blocks[:2]])
+        assert [b.ref_cnt for b in blocks] == [1, 1, 0]
+        assert each.get_num_free_blocks() == 8 - 1 - 2
+    assert pool.null_block.ref_cnt == stock.null_block.ref_cnt
+    assert pool.stats.block_hits == 2
+    pool.check_invariants()
 
 
 def test_pool_class_chooses_the_dense_pool_for_cost_only(monkeypatch):
