@@ -474,6 +474,7 @@ class DenseCostCore:
     reused: cython.longlong[:]
     probability: cython.double[:]
     known: cython.char[:]  # probability[code] is current
+    named: cython.char[:]  # classes[code] is set
     size: cython.int
     num_evictable = cython.declare(cython.Py_ssize_t, visibility="readonly")
     next_serial: cython.longlong
@@ -544,6 +545,7 @@ class DenseCostCore:
         self.reused = policy._reused
         self.probability = array("d", [0.0]) * 1024
         self.known = array("b", [0]) * 1024
+        self.named = array("b", [0]) * 1024
         self.size = 0
         self.num_evictable = 0
         self.next_serial = 0
@@ -1206,8 +1208,10 @@ class DenseCostCore:
             code |= output
         self.trial[node] = code
         if not self.known[code]:
-            if code not in self.classes:
-                self.classes[code] = _class_of(code)
+            if not self.named[code]:  # (a trial's close unsets `known`, not `named`)
+                if code not in self.classes:
+                    self.classes[code] = _class_of(code)
+                self.named[code] = 1
             self.probability[code] = (self.reused[code] + 1) / cython.cast(
                 cython.double, self.tried[code] + 2
             )
