@@ -53,7 +53,7 @@ from typing import Any, ClassVar
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
-from kvplug.core.dense import VictimHistory, count_new_keys
+from kvplug.core.dense import VictimHistory, count_keyed, count_new_keys
 from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.core.groups import GroupKind
 from kvplug.policies import make_policy
@@ -684,7 +684,8 @@ class ReleaseOrderPool(KVPlugBlockPool):
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         if self.touch_counts_hits:
-            self.stats.block_hits += sum(1 for b in blocks if b._block_hash is not None)
+            keyed = blocks if isinstance(blocks, list) else list(blocks)
+            self.stats.block_hits += count_keyed(keyed, "_block_hash")
         BlockPool.touch(self, blocks)
 
     def cache_full_blocks(
