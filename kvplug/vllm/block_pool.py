@@ -350,8 +350,6 @@ class KVPlugBlockPool(BlockPool):
         if evictions:
             self._num_keys -= evictions
             self.stats.evictions += evictions
-            while len(evicted) > self.num_gpu_blocks:
-                evicted.popitem(last=False)
         return taken
 
     def reset_prefix_cache(self) -> bool:
@@ -544,13 +542,12 @@ class KVPlugBlockPool(BlockPool):
 
     def on_evicted(self, blocks: list[KVCacheBlock]) -> None:
         """The queue evicted `blocks` (their hashes go when vLLM hands them out): forget
-        them (`evict_next` did), count them and remember their hashes, for churn."""
+        them (`evict_next` did), count them and remember their hashes, for churn (the
+        record keeps the latest `num_gpu_blocks` itself)."""
         self.stats.evictions += len(blocks)
         evicted = self._evicted
         for block in blocks:
             evicted[block._block_hash] = None
-        while len(evicted) > self.num_gpu_blocks:
-            evicted.popitem(last=False)
 
     # -- helpers ---------------------------------------------------------------------------
     def _adopt(self, block: KVCacheBlock, key: Any) -> None:
