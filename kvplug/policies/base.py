@@ -50,10 +50,16 @@ class EvictionPolicy(ABC):
     offline: ClassVar[bool] = False
     release_order: ClassVar[bool] = False
     values_position: ClassVar[bool] = False
+    # it reads ``node.key`` (an engine whose keys take work to make, SGLang's radix
+    # nodes, makes none for a policy that does not)
+    reads_keys: ClassVar[bool] = True
     now: int = 0  # offline policies: the replay's clock
     # it values a block another tier holds as a reload (`tier_changed`); an engine's own
     # "evict first" lane for such blocks then gives way to the policy's ranking
     prices_tiers: bool = False
+    # an engine whose nodes each hold several blocks (``node.blocks``) sets it, so that a
+    # policy that learns weighs what each node teaches by its blocks (`CostPolicy`)
+    spans_blocks: bool = False
 
     def foresee(self, requests: Mapping[Hashable, Sequence[int]]) -> None:
         """Offline policies: each block key -> the sorted indices of the requests whose
@@ -62,6 +68,16 @@ class EvictionPolicy(ABC):
 
     def bind(self, block_size: int, num_blocks: int) -> None:
         """Called once by the cache that uses the policy."""
+
+    @property
+    def ghost_capacity(self) -> int:
+        """The blocks of victims the policy remembers by key once bound (0: none)."""
+        return 0
+
+    def ghosts_inside(self, node: CachedNode, keys: Sequence[bytes]) -> None:
+        """`node`, just inserted, also holds the blocks keyed `keys`, before its last (an
+        engine node spanning several blocks): a policy with a `ghost_capacity` takes
+        back the victims it remembers among them."""
 
     def admit(self, node: CachedNode) -> bool:
         """Return False to keep a new block out of the cache (it is freed with its request)."""

@@ -34,6 +34,15 @@ out, or it was loaded from there) costs only a reload if evicted, so with `tier_
 becomes held elsewhere while evictable, it is re-ranked at once (`tier_changed`) to the
 lower of its rank and the rank it would get now; a rank is never raised by a tier.
 
+Nodes of several blocks. An engine whose nodes each hold several blocks (SGLang's radix
+tree: a node spans many pages) sets `spans_blocks`; each node's ``blocks`` then weighs
+what it teaches, so that the policy learns per block, as in a cache of blocks: a closed
+trial counts its node's blocks, a ghost stands for the blocks its node held, and the
+ghost history holds `ghost_ratio` times the cache's blocks, not nodes. Such an engine
+keys a node by its prefix up to its last block, whatever the node's boundaries, and
+reports the keys of the blocks a new node holds before its last (`ghosts_inside`): a
+victim's prefix that comes back inside a longer node is recognised as a return.
+
 A shared root is never a candidate while it has children, and its own H ages like any
 other, so hits below it do not make it immortal. Admission is the same test: a released
 block enters the ranking at its own H, so a block worth less than everything cached is
@@ -68,6 +77,21 @@ if TYPE_CHECKING:
     from kvplug.policies.node import CachedNode
 
 ReuseClass = tuple[int, ...]
+
+# a ghost is ``(blocks - 1) << BLOCKS_SHIFT | reuses << 10 | class code`` (blocks: those
+# its node held; always 1, and so absent, unless the policy `spans_blocks`)
+BLOCKS_SHIFT = 40
+REUSES_MASK = (1 << (BLOCKS_SHIFT - 10)) - 1
+
+
+def ghost_blocks(ghost: int) -> int:
+    """The blocks the node a ghost stands for held."""
+    return (ghost >> BLOCKS_SHIFT) + 1
+
+
+def ghost_reuses(ghost: int) -> int:
+    """The reuses a ghost remembers."""
+    return (ghost >> 10) & REUSES_MASK
 
 
 class CostPolicy(RankedPolicy):
@@ -110,6 +134,9 @@ class CostPolicy(RankedPolicy):
         # so a ghost allocates nothing the garbage collector tracks
         self._ghosts: OrderedDict[bytes, int] = OrderedDict()
         self._ghost_capacity = 0
+        # nodes hold several blocks each (`node.blocks`), weighing trials and ghosts
+        self.spans_blocks = False
+        self._ghost_blocks = 0  # blocks the ghosts stand for, while `spans_blocks`
         # closed trials and reuses per class code (codes are below 1024)
         self._tried: list[int] = [0] * 1024
         self._reused: list[int] = [0] * 1024
@@ -230,12 +257,38 @@ class CostPolicy(RankedPolicy):
             return
         self._credits(nodes, self._rank)
 
+    @property
+    def ghost_capacity(self) -> int:
+        return self._ghost_capacity
+
     def insert(self, node: CachedNode) -> None:
         ghost = self._ghosts.pop(node.key, None)
         if ghost is not None:  # evicted, and wanted again: it was reused after all
-            hits, code = ghost >> 10, ghost & 1023
-            self._close(code, reused=True)
-            self._credit[node.serial] = hits + 1
+            self._returned(node, ghost)
+
+    def _returned(self, node: CachedNode, ghost: int) -> None:
+        """`node` came back as `ghost` (popped): its trial closes as reused and `node`
+        takes its reuses back (the most, of several ghosts inside one node)."""
+        blocks = 1
+        if self.spans_blocks:
+            blocks = ghost_blocks(ghost)
+            self._ghost_blocks -= blocks
+        self._close(ghost & 1023, True, blocks)
+        reuses = ghost_reuses(ghost) + 1
+        if reuses > self._credit.get(node.serial, 0):
+            self._credit[node.serial] = reuses
+
+    def ghosts_inside(self, node: CachedNode, keys: Sequence[bytes]) -> None:
+        """`node`, just inserted, holds the blocks keyed `keys` before its last (an
+        engine node of several blocks, keyed by its prefix at each block): each found in
+        the ghost history came back (see `insert`)."""
+        ghosts = self._ghosts
+        if not ghosts:
+            return
+        for key in keys:
+            ghost = ghosts.pop(key, None)
+            if ghost is not None:
+                self._returned(node, ghost)
 
     def insert_n(self, nodes: Sequence[CachedNode]) -> None:
         if self._own_insert:
@@ -252,16 +305,15 @@ class CostPolicy(RankedPolicy):
         for node in nodes:
             ghost = forget(node.key, None)
             if ghost is not None:
-                self._close(ghost & 1023, reused=True)
-                self._credit[node.serial] = (ghost >> 10) + 1
+                self._returned(node, ghost)
 
     def hit(self, node: CachedNode) -> None:
         code = self._trial.pop(node.serial, None)
         if code is not None:
-            self._close(code, reused=True)
+            self._close(code, True, node.blocks if self.spans_blocks else 1)
 
     def hit_n(self, nodes: Sequence[CachedNode]) -> None:
-        if not self._own_hit:  # a subclass counts hits differently: one node at a time
+        if not self._own_hit or self.spans_blocks:  # one node at a time
             super().hit_n(nodes)
             return
         trials, tried, reused, probability = (
@@ -289,7 +341,9 @@ class CostPolicy(RankedPolicy):
                 self._inflation_key = key
                 self.inflation = key_rank(key)
         code = self._trial.pop(serial, None)
-        if code is not None:
+        if code is not None and self.spans_blocks:
+            self._file_ghost(node, node.hits + self._credit.get(serial, 0), code)
+        elif code is not None:
             ghosts = self._ghosts
             ghosts[node.key] = (node.hits + self._credit.get(serial, 0)) << 10 | code  # reuses()
             while len(ghosts) > self._ghost_capacity:
@@ -298,8 +352,22 @@ class CostPolicy(RankedPolicy):
         if self._credit:
             self._credit.pop(serial, None)
 
+    def _file_ghost(self, node: CachedNode, reuses: int, code: int) -> None:
+        """`node`, of `node.blocks` blocks, left with its trial open (`spans_blocks`): its
+        ghost joins, and the oldest leave while the ghosts stand for more blocks than
+        the history holds, closing their trials as not reused."""
+        ghosts = self._ghosts
+        blocks = max(node.blocks, 1)
+        previous = ghosts.get(node.key)
+        ghosts[node.key] = (blocks - 1) << BLOCKS_SHIFT | min(reuses, REUSES_MASK) << 10 | code
+        self._ghost_blocks += blocks - (0 if previous is None else ghost_blocks(previous))
+        while self._ghost_blocks > self._ghost_capacity and ghosts:
+            old = ghosts.popitem(last=False)[1]
+            self._ghost_blocks -= ghost_blocks(old)
+            self._close(old & 1023, False, ghost_blocks(old))
+
     def remove_victims(self, nodes: Sequence[CachedNode]) -> None:
-        if not self._own_remove:  # a subclass removes differently: one node at a time
+        if not self._own_remove or self.spans_blocks:  # one node at a time
             super().remove_victims(nodes)
             return
         # `remove` for each victim (each was `chosen`), inlined
@@ -327,9 +395,11 @@ class CostPolicy(RankedPolicy):
         if nodes:
             self.chosen = nodes[-1].serial
 
-    def _close(self, code: int, reused: bool) -> None:
-        self._tried[code] += 1
-        self._reused[code] += reused
+    def _close(self, code: int, reused: bool, blocks: int = 1) -> None:
+        """A trial of class `code` closed, `reused` or not, weighing `blocks`."""
+        self._tried[code] += blocks
+        if reused:
+            self._reused[code] += blocks
         self._probability.pop(code, None)
 
     def learned(self) -> dict[ReuseClass, tuple[int, float]]:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 class GDSFPolicy(RankedPolicy):
     name = "gdsf"
     values_position = True  # `value` grows with depth
+    reads_keys = False
 
     def __init__(self, model: str | None = None, tokens_per_block: int | None = None) -> None:
         super().__init__()

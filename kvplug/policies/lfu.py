@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
 class LFUPolicy(RankedPolicy):
     name = "lfu"
+    reads_keys = False
 
     def rank(self, node: CachedNode) -> float:
         return float(node.hits)

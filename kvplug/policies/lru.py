@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 class LRUPolicy(RankedPolicy):
     name = "lru"
+    reads_keys = False
     release_order = True  # with no `touch`, its order is the release order
 
     def __init__(self) -> None:

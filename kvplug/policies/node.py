@@ -24,3 +24,10 @@ class CachedNode(Protocol):
     # another tier (a CPU offload, LMCache) holds a copy of its KV, so evicting it costs a
     # reload, not a recompute; set by the adapter through `EvictionCore.held_elsewhere`
     held_elsewhere: bool
+
+
+class SpanningNode(CachedNode, Protocol):
+    """A node of an engine whose nodes each hold several blocks (SGLang's radix node spans
+    many pages): a policy told so (``spans_blocks``) also reads `blocks`."""
+
+    blocks: int  # the blocks it holds (at least 1)

@@ -8,8 +8,8 @@ kvplug's ``sglang.srt.plugins`` entry point registers the names; nothing changes
 the backend is selected. Options are kvplug's config keys (`kvplug.config.KVPlugConfig`),
 from ``--radix-eviction-policy-config`` or the file named by ``$KVPLUG_CONFIG``.
 
-Importing this package does not import SGLang; every module below except `plugin` and
-`namespace` does. kvplug decides which node goes next (the eviction core in
+Importing this package does not import SGLang; every module below except `plugin`,
+`namespace` and `prefix_keys` does. kvplug decides which node goes next (the eviction core in
 `kvplug.core.eviction`, the same one `KVCache` and the vLLM adapter run, and
 `kvplug.core.ranked_set` for state evicted from internal nodes); SGLang keeps
 its tree, allocation, locks, KV events and its own metrics. A full-attention model runs on
@@ -27,6 +27,7 @@ hybrid model or a host tier runs on SGLang's Python core with kvplug's component
 | `ranked_lru` | `RankedLRUList`: SGLang's SWA / Mamba LRU list, feeding a `RankedSet` |
 | `strategy` | the ``kvplug-<name>`` strategies and kvplug's config from SGLang's arguments |
 | `namespace` | the tenant and namespace salt folded into each request's ``cache_salt`` |
+| `prefix_keys` | a node's key: its prefix's, wherever the tree splits it; `VictimEnds` |
 | `stats` | `CacheStats` and the Prometheus exporter for SGLang's multiprocess ``/metrics`` |
 | `version` | the supported SGLang range, and the private names kvplug checks at start-up |
 

@@ -54,6 +54,7 @@ from sglang.srt.mem_cache.utils import get_eviction_strategy
 from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.errors import ConfigError
 from kvplug.sglang.backend import TREE_CORE_ENV, rust_core_refusal
+from kvplug.sglang.prefix_keys import Prefix, node_prefix, root_prefix
 from kvplug.sglang.stats import CacheStats
 from kvplug.sglang.strategy import kvplug_tree_core_building
 from kvplug.sglang.tree_core import (
@@ -62,9 +63,10 @@ from kvplug.sglang.tree_core import (
     ReleasingRequest,
     accessed,
     device_pages,
-    prefix_digest,
+    page_count,
     released_with,
     span_depth,
+    spanning,
 )
 
 STOCK_POLICY = "lru"  # what Rust's own (unused) strategy is built with
@@ -78,9 +80,16 @@ class MirrorRecord(NodeRecord):
     __slots__ = ("start", "lock", "source", "filed")
 
     def __init__(
-        self, serial: int, node: int, key: bytes, start: int, end: int, page_size: int
+        self,
+        serial: int,
+        node: int,
+        key: bytes,
+        start: int,
+        end: int,
+        page_size: int,
+        prefix: Prefix | None = None,
     ) -> None:
-        super().__init__(serial, node, key, start, end, page_size)
+        super().__init__(serial, node, key, start, end, page_size, prefix)
         self.start = start
         self.lock = 0
         self.source: RadixKey | None = None
@@ -119,6 +128,8 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
             self.eviction_strategy.new_policy(self.page_size, self.num_pages)
         )
         self.splits_victims = self.eviction.policy.values_position
+        self.victim_ends = spanning(self.eviction.policy)
+        self.keyed = self.eviction.policy.reads_keys
         self.records: dict[int, MirrorRecord] = {}  # node id -> record
         self._children: dict[tuple[Any, ...], MirrorRecord] = {}  # child index
         self._serials = count()
@@ -202,10 +213,12 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
         node_id, parent_id, start, end = info[0], info[1], info[2], info[3]
         parent = self.records.get(parent_id)
         tokens = key.raw_token_ids()
-        record = self._record(node_id, parent, key, start, end, tokens)
+        record, inside = self._record(node_id, parent, key, start, end, tokens, new=True)
         self._file(record, parent_id, tokens)
         eviction = self.eviction
         eviction.insert(record, parent)
+        if inside:
+            eviction.policy.ghosts_inside(record, inside)
         eviction.touch(record)  # SGLang stamps a new node as accessed
         if self.releasing is not None:  # inserted by a finished request: on its path
             self.releasing.stamp(record)
@@ -235,12 +248,13 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
         source = lower.source
         assert source is not None
         tokens = source.raw_token_ids()
-        upper = self._record(node_id, parent, source, start, end, tokens)
+        upper = self._record(node_id, parent, source, start, end, tokens)[0]
         upper.lock = lower.lock
         del self._children[lower.filed]
         self._file(upper, parent_id, tokens)
         lower.start = end
         lower.depth = span_depth(end, lower.end, page_size)
+        lower.blocks = page_count(end, lower.end, page_size)
         self._file(lower, node_id, tokens)
         released_with(upper, lower, page_size)
         self.eviction.touch(upper)  # stamped at its creation, before the lower part
@@ -367,6 +381,8 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
         result = super().evict_device_leaf(node_id, is_write_back)
         record = self.records.pop(node_id)
         del self._children[record.filed]
+        if self.victim_ends is not None and record.source is not None:
+            self.victim_ends.add(record.end, record.source.raw_token_ids()[record.end - 1])
         self.eviction.remove(record)
         self.stats.evictions += 1
         record.serial = -1  # records naming it as parent see a dead link
@@ -386,17 +402,25 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
         start: int,
         end: int,
         tokens: Any,
-    ) -> MirrorRecord:
-        digest = prefix_digest(
-            parent.key if parent is not None else b"",
-            source.extra_key,
-            source.cache_salt,
-            tokens[start:end].tobytes(),
-        )
-        record = MirrorRecord(next(self._serials), node_id, digest, start, end, self.page_size)
+        new: bool = False,
+    ) -> tuple[MirrorRecord, list[bytes]]:
+        """Node `node_id`'s record, filed, keyed by its prefix (`KVPlugTreeCore._new_record`);
+        with `new`, also the keys of its pages where a recent victim ended."""
+        prefix, key, inside = None, b"", []  # a policy that reads no key gets none
+        if self.keyed:
+            before = (
+                parent.prefix
+                if parent is not None and parent.prefix is not None
+                else root_prefix(source.extra_key, source.cache_salt)
+            )
+            prefix, inside = node_prefix(
+                before, start, tokens[start:end], self.page_size, self.victim_ends if new else None
+            )
+            key = prefix.key
+        record = MirrorRecord(next(self._serials), node_id, key, start, end, self.page_size, prefix)
         record.source = source
         self.records[node_id] = record
-        return record
+        return record, inside
 
     def _file(self, record: MirrorRecord, parent_id: int, tokens: Any) -> None:
         """File `record` under its parent by its first page, as the tree files it."""
@@ -432,6 +456,17 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
             assert info[0] == node_id
             assert (info[2], info[3]) == (record.start, record.end), f"node {node_id}: span"
             assert record.depth == span_depth(record.start, record.end, self.page_size)
+            assert record.blocks == page_count(record.start, record.end, self.page_size)
+            if self.keyed:  # its key is its whole prefix's, whatever the splits since
+                assert record.source is not None and record.prefix is not None
+                tokens = record.source.raw_token_ids()
+                whole = node_prefix(
+                    root_prefix(record.source.extra_key, record.source.cache_salt),
+                    0,
+                    tokens[: record.end],
+                    self.page_size,
+                )[0]
+                assert record.prefix == whole and record.key == whole.key, node_id
             parent = live_parent(record)
             if parent is None:  # below a root
                 assert info[1] not in records, f"node {node_id}: parent link is stale"

@@ -63,6 +63,15 @@ that request after the node (``from_end``: 0 for its leaf), whether it reused th
 (SGLang's ``req.cached_tokens``), and how many tokens it generated.
 `KVPlugRadixCache` opens the `ReleasingRequest` and closes it at ``on_release``.
 
+Keys and returns. A record is keyed by its prefix (`kvplug.sglang.prefix_keys`): the same
+tokens give the same key however the tree splits them. The device policy is told that
+its nodes span pages (``spans_blocks``, each record's ``blocks``), so `cost` weighs what a
+node teaches by its pages and sizes its ghost history in pages, as kvplug's own cache
+does per block; and a new node looks up the keys of its pages where a recent victim
+ended (`VictimEnds`), so a victim's prefix that comes back inside a longer node (a
+conversation's next turn, or one re-inserted over different boundaries) counts as its
+return. Both tree cores key and look up alike.
+
 Tiers (``--enable-hierarchical-cache``). SGLang's HiCache copies device KV to a host pool
 (write-through on hits, or write-back at eviction) and *demotes* a device leaf whose KV
 the host holds: its device KV is freed, the node stays in the tree, host-only, and a
@@ -99,14 +108,21 @@ from __future__ import annotations
 from itertools import count
 from typing import Any
 
-import xxhash
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 
 from kvplug.core.eviction import EvictionCore, live_parent
-from kvplug.core.keys import encode_fields
 from kvplug.core.ranked_set import RankedSet
 from kvplug.errors import ConfigError
+from kvplug.policies.base import EvictionPolicy
+from kvplug.sglang.prefix_keys import (
+    Prefix,
+    VictimEnds,
+    chunk_tokens,
+    extend,
+    node_prefix,
+    root_prefix,
+)
 from kvplug.sglang.ranked_lru import RankedLRUList, StateRecord
 from kvplug.sglang.stats import CacheStats
 from kvplug.sglang.strategy import kvplug_tree_core_building
@@ -127,14 +143,17 @@ def span_depth(start: int, end: int, page_size: int) -> int:
     return (first + max(last_page(end, page_size), first)) // 2
 
 
-def prefix_digest(
-    parent_key: bytes, extra_key: str | None, cache_salt: str | None, tokens: bytes
-) -> bytes:
-    """A node's key for the policies: the digest of its tokens (int64 bytes) after its
-    parent's key, in the namespace of SGLang's extra key and cache salt. Both tree cores
-    key their records with it, so they rank the same nodes alike."""
-    extra = encode_fields((extra_key or "", cache_salt or ""))
-    return xxhash.xxh3_64_digest(parent_key + extra + tokens)
+def page_count(start: int, end: int, page_size: int) -> int:
+    """The pages that the tokens ``[start, end)`` touch (at least 1)."""
+    return max(last_page(end, page_size) - start // page_size + 1, 1)
+
+
+def spanning(policy: EvictionPolicy) -> VictimEnds | None:
+    """Tell the device tree's `policy` (bound) that its nodes span pages (``blocks``);
+    returns where to note victims' ends if it remembers victims (`VictimEnds`)."""
+    policy.spans_blocks = True
+    capacity = policy.ghost_capacity
+    return VictimEnds(capacity) if capacity > 0 else None
 
 
 class ReleasingRequest:
@@ -192,16 +211,26 @@ class NodeRecord:
         "serial", "key", "depth", "hits", "from_end", "request_hit", "request_output",
         "held_elsewhere",
         "parent", "parent_serial", "cached_children", "evictable", "node", "end",
+        "prefix", "blocks",
     )  # fmt: skip
 
     def __init__(
-        self, serial: int, node: Any, key: bytes, start: int, end: int, page_size: int
+        self,
+        serial: int,
+        node: Any,
+        key: bytes,
+        start: int,
+        end: int,
+        page_size: int,
+        prefix: Prefix | None = None,
     ) -> None:
         self.serial = serial
         self.node = node
-        self.key = key
+        self.key = key  # its prefix's key at its last token (`kvplug.sglang.prefix_keys`)
+        self.prefix = prefix  # its prefix's hash there, which its children continue
         self.end = end
         self.depth = span_depth(start, end, page_size)
+        self.blocks = page_count(start, end, page_size)  # a `SpanningNode`
         self.hits = 0
         self.from_end = 0
         self.request_hit = False
@@ -247,6 +276,8 @@ class KVPlugTreeCoreMixin:
                 "--radix-eviction-policy kvplug-<name>"
             )
         self.eviction = EvictionCore(strategy.new_policy(self.page_size, self.num_pages))
+        self.victim_ends = spanning(self.eviction.policy)
+        self.keyed = self.eviction.policy.reads_keys
         # partial eviction (module doc), where a split touches the full component only
         self.splits_victims = (
             self.eviction.policy.values_position
@@ -282,8 +313,10 @@ class KVPlugTreeCoreMixin:
         node = super()._add_new_node(parent, key, value, *args, **kwargs)  # type: ignore[misc]
         parent_record = self.records.get(parent.id)
         end = (parent_record.end if parent_record is not None else 0) + len(key)
-        record = self._new_record(node, parent_record, end)
+        record, inside = self._new_record(node, parent_record, end, new=True)
         self.eviction.insert(record, parent_record)
+        if inside:
+            self.eviction.policy.ghosts_inside(record, inside)
         self.eviction.touch(record)  # SGLang stamps a new node as accessed
         if self.releasing is not None:  # inserted by a finished request: on its path
             self.releasing.stamp(record)
@@ -304,8 +337,9 @@ class KVPlugTreeCoreMixin:
                 self.host.add_before(upper_host, lower_host, None)
             return result
         parent = live_parent(lower)
-        upper = self._new_record(upper_node, parent, lower.end - len(child.key))  # type: ignore[arg-type]
+        upper = self._new_record(upper_node, parent, lower.end - len(child.key))[0]  # type: ignore[arg-type]
         lower.depth = span_depth(upper.end, lower.end, self.page_size)
+        lower.blocks = page_count(upper.end, lower.end, self.page_size)
         released_with(upper, lower, self.page_size)
         self.eviction.touch(upper)  # stamped at its creation, before the lower part
         self.eviction.split(upper, lower)
@@ -387,6 +421,8 @@ class KVPlugTreeCoreMixin:
         `keep_host` its host copy stays (a demotion): the node joins the host tier."""
         record = self.records.pop(node.id, None)
         if record is not None:
+            if self.victim_ends is not None:
+                self.victim_ends.add(record.end, node.key.token_ids[len(node.key) - 1])
             self.eviction.remove(record)
             self.stats.evictions += 1
             record.serial = -1  # records naming it as parent see a dead link
@@ -410,12 +446,14 @@ class KVPlugTreeCoreMixin:
             return
         parent = self.records.get(node.parent.id)
         end = (parent.end if parent is not None else 0) + len(node.key)
-        record = self._new_record(node, parent, end)
+        record, inside = self._new_record(node, parent, end, new=True)
         member = self.host_records.pop(node.id, None)
         if member is not None and self.host is not None:
             record.hits = member.hits
             self.host.remove(member)
         self.eviction.insert(record, parent)
+        if inside:
+            self.eviction.policy.ghosts_inside(record, inside)
         self.eviction.touch(record)
         self._sync_held(node)
         if node.component_data[FULL].lock_ref == 0:
@@ -489,20 +527,51 @@ class KVPlugTreeCoreMixin:
         return None if record is None else record.node
 
     # -- helpers ----------------------------------------------------------------------------
-    def _new_record(self, node: Any, parent: NodeRecord | None, end: int) -> NodeRecord:
-        digest = self._prefix_key(node, parent)
-        start = end - len(node.key)
-        record = NodeRecord(next(self._serials), node, digest, start, end, self.page_size)
-        self.records[node.id] = record
-        return record
-
-    @staticmethod
-    def _prefix_key(node: Any, parent: NodeRecord | StateRecord | None) -> bytes:
-        """The digest of the node's tokens after its parent's key (the policies' `key`)."""
+    def _new_record(
+        self, node: Any, parent: NodeRecord | None, end: int, new: bool = False
+    ) -> tuple[NodeRecord, list[bytes]]:
+        """`node`'s record, filed, keyed by its prefix; with `new` (its pages were not in
+        the tree), also the keys of its pages where a recent victim ended."""
         radix_key = node.key
-        tokens = radix_key.token_ids[: len(radix_key)].tobytes()
-        parent_key: bytes = parent.key if parent is not None else b""  # type: ignore[assignment]
-        return prefix_digest(parent_key, radix_key.extra_key, radix_key.cache_salt, tokens)
+        start = end - len(radix_key)
+        prefix, key, inside = None, b"", []  # a policy that reads no key gets none
+        if self.keyed:
+            prefix, inside = node_prefix(
+                self._prefix_before(node, parent),
+                start,
+                radix_key.token_ids[: len(radix_key)],
+                self.page_size,
+                self.victim_ends if new else None,
+            )
+            key = prefix.key
+        record = NodeRecord(next(self._serials), node, key, start, end, self.page_size, prefix)
+        self.records[node.id] = record
+        return record, inside
+
+    def _prefix_before(self, node: Any, parent: NodeRecord | None) -> Prefix:
+        """The hash of `node`'s prefix before its first token: its device `parent`'s,
+        else continued from the nearest ancestor with a device record (or the root)."""
+        if parent is not None and parent.prefix is not None:
+            return parent.prefix
+        above: list[Any] = []
+        cur, root = node.parent, self.root_node
+        record = None
+        while cur is not None and cur is not root:
+            record = self.records.get(cur.id)
+            if record is not None:
+                break
+            above.append(cur)
+            cur = cur.parent
+        radix_key = node.key
+        prefix = (
+            record.prefix
+            if record is not None and record.prefix is not None
+            else root_prefix(radix_key.extra_key, radix_key.cache_salt)
+        )
+        chunk = chunk_tokens(self.page_size)
+        for ancestor in reversed(above):
+            prefix = extend(prefix, ancestor.key.token_ids[: len(ancestor.key)], chunk)
+        return prefix
 
     def describe(self, node: Any) -> tuple[bytes, int]:
         """(prefix key, depth) of a node, for the ranked components' records: those of
@@ -516,7 +585,11 @@ class KVPlugTreeCoreMixin:
             parent = self.records.get(node.parent.id) or self.host_records.get(node.parent.id)
         start = self._start(node)
         depth = span_depth(start, start + len(node.key), self.page_size)
-        return self._prefix_key(node, parent), depth
+        if not self.keyed:
+            return b"", depth
+        before = self._prefix_before(node, parent if isinstance(parent, NodeRecord) else None)
+        tokens = node.key.token_ids[: len(node.key)]
+        return extend(before, tokens, chunk_tokens(self.page_size)).key, depth
 
     def _start(self, node: Any) -> int:
         """The token count from the root to `node`'s first token: its parent's ``end``
@@ -547,6 +620,13 @@ class KVPlugTreeCoreMixin:
             assert record.end == self._start(node) + len(node.key), f"node {node.id}: end"
             span = span_depth(record.end - len(node.key), record.end, self.page_size)
             assert record.depth == span, f"node {node.id}: depth is not its span's middle"
+            start = record.end - len(node.key)
+            assert record.blocks == page_count(start, record.end, self.page_size), node.id
+            if self.keyed:  # its key is its prefix's, whatever the splits since
+                expected = self._prefix_before(node, None)
+                tokens = node.key.token_ids[: len(node.key)]
+                assert record.prefix == extend(expected, tokens, chunk_tokens(self.page_size))
+                assert record.key == record.prefix.key, f"node {node.id}: key"
             assert record.evictable == (node.component_data[FULL].lock_ref == 0), node.id
             parent = live_parent(record)
             parent_node = None if parent is None else parent.node

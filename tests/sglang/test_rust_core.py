@@ -108,6 +108,30 @@ def test_partial_eviction_splits_a_victim_on_the_rust_core() -> None:
             arm.cache.tree_core.check_invariants()
 
 
+def test_a_victim_back_inside_a_longer_node_returns_on_both_cores() -> None:
+    """A 20-token prompt whose last 10 tokens are evicted (split off, partial eviction),
+    then a next turn holding it and 5 more tokens: the tree inserts one new node over the
+    victim's tokens and beyond, and `cost` finds the victim's prefix inside it (its ghost
+    returns, weighing its 10 pages), on both cores alike."""
+    for core in ("python", "rust"):
+        arm = SGLangKVPlugArm(40, "cost", tree_core=core)
+        tree = arm.cache.tree_core
+        policy = tree.eviction.policy
+        assert policy.spans_blocks
+        prompt = [*range(1, 21), 999]
+        assert arm.admit(0, prompt, 20) == 0
+        arm.finish(0)
+        assert arm.admit(1, [500 + i for i in range(30)], 30) == 0
+        arm.finish(1)
+        assert arm.stats().evictions == 10 and policy._ghost_blocks == 10, core
+        (tail,) = policy._ghosts  # the prefix of all 20 tokens
+        assert arm.admit(2, [*prompt[:20], 21, 22, 23, 24, 25, 999], 25) == 10
+        arm.finish(2)
+        (new,) = [r for r in tree.records.values() if r.end == 25]
+        assert tail not in policy._ghosts, core
+        assert (new.blocks, policy.reuses(new)) == (15, 1), core
+
+
 def test_cost_keeps_what_sglang_lru_evicts_on_the_rust_core() -> None:
     """One sequence inserted three times (SGLang counts a reuse at each re-insert), then
     another once and matched last (the most recent): SGLang's lru evicts the first,
