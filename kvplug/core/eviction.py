@@ -81,8 +81,10 @@ class EvictionCore(Generic[N]):
         """The number of candidates (evictable leaves)."""
         return len(self.policy)
 
-    def insert(self, node: N, parent: N | None) -> None:
-        """`node` was cached (held by its writer), below `parent`."""
+    def insert(self, node: N, parent: N | None, inside: Sequence[bytes] = ()) -> None:
+        """`node` was cached (held by its writer), below `parent`; an engine node of
+        several blocks also names the keys of the blocks it holds before its last where
+        a victim may come back (`inside`: `EvictionPolicy.ghosts_inside`)."""
         node.evictable = False
         node.cached_children = 0
         node.parent = parent
@@ -92,6 +94,8 @@ class EvictionCore(Generic[N]):
             if parent.cached_children == 1 and parent.evictable:
                 self.policy.discard_candidate(parent)
         self.policy.insert(node)
+        if inside:
+            self.policy.ghosts_inside(node, inside)
 
     def insert_chain(self, nodes: Sequence[N], parent: N | None) -> None:
         """`insert` for each of `nodes`, in order, each below the one before it and the

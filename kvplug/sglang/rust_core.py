@@ -216,9 +216,7 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
         record, inside = self._record(node_id, parent, key, start, end, tokens, new=True)
         self._file(record, parent_id, tokens)
         eviction = self.eviction
-        eviction.insert(record, parent)
-        if inside:
-            eviction.policy.ghosts_inside(record, inside)
+        eviction.insert(record, parent, inside)
         eviction.touch(record)  # SGLang stamps a new node as accessed
         if self.releasing is not None:  # inserted by a finished request: on its path
             self.releasing.stamp(record)

@@ -314,9 +314,7 @@ class KVPlugTreeCoreMixin:
         parent_record = self.records.get(parent.id)
         end = (parent_record.end if parent_record is not None else 0) + len(key)
         record, inside = self._new_record(node, parent_record, end, new=True)
-        self.eviction.insert(record, parent_record)
-        if inside:
-            self.eviction.policy.ghosts_inside(record, inside)
+        self.eviction.insert(record, parent_record, inside)
         self.eviction.touch(record)  # SGLang stamps a new node as accessed
         if self.releasing is not None:  # inserted by a finished request: on its path
             self.releasing.stamp(record)
@@ -451,9 +449,7 @@ class KVPlugTreeCoreMixin:
         if member is not None and self.host is not None:
             record.hits = member.hits
             self.host.remove(member)
-        self.eviction.insert(record, parent)
-        if inside:
-            self.eviction.policy.ghosts_inside(record, inside)
+        self.eviction.insert(record, parent, inside)
         self.eviction.touch(record)
         self._sync_held(node)
         if node.component_data[FULL].lock_ref == 0:
