@@ -32,9 +32,10 @@ queue needs no Python object per block either.
 
 Invariants (`check_invariants`):
 
-- the heap holds exactly the evictable identities with no cached children, each once,
-  and ``pos`` names each one's slot; every heap slot sorts no earlier than its parent
-  slot by ``(rank, order)``;
+- the heap holds exactly the evictable identities with no cached children that were
+  not released unranked (`release_unranked`: an engine's rules evict those), each once,
+  and ``pos`` names each one's slot; only an evictable identity is unranked; every heap
+  slot sorts no earlier than its parent slot by ``(rank, order)``;
 - ``num_evictable`` counts the evictable identities; ``children[b]`` counts the live
   identities whose live parent is ``b``;
 - the fresh list holds ``num_fresh`` blocks, none of them a live identity.
@@ -457,6 +458,8 @@ class DenseCostCore:
     trial: cython.short[:]
     credit: cython.int[:]
     ranked: cython.char[:]
+    unranked: cython.char[:]  # evictable, but not the policy's (`release_unranked`)
+    anchored: cython.char[:]  # a mark an engine's rules set per identity (`anchor`)
     rank: cython.double[:]
     order: cython.longlong[:]
     since: cython.longlong[:]  # when it last became evictable, in evictions' count
@@ -525,6 +528,8 @@ class DenseCostCore:
         self.trial = array("h", [-1]) * n
         self.credit = array("i", [0]) * n
         self.ranked = array("b", [0]) * n
+        self.unranked = array("b", [0]) * n
+        self.anchored = array("b", [0]) * n
         self.rank = array("d", [0.0]) * n
         self.order = array("q", [0]) * n
         self.since = array("q", [0]) * n
@@ -591,6 +596,7 @@ class DenseCostCore:
             self.parent_serial[node] = -1 if above < 0 else serial[above]
             children[node] = 0 if i == n - 1 else 1
             self.evictable[node] = 0
+            self.unranked[node] = 0
             self.depth[node] = depths[i]
             self.hits[node] = 0
             self.from_end[node] = 0
@@ -600,6 +606,7 @@ class DenseCostCore:
             self.trial[node] = -1
             self.credit[node] = 0
             self.ranked[node] = 0
+            self.anchored[node] = 0
             above = node
         if history.num_ghosts:
             for i in range(n):
@@ -715,12 +722,34 @@ class DenseCostCore:
         its ``from_end``. The first holding another key, and every object after it, are
         returned as ``(position, object)`` for the cache to handle in order, after these.
         """
+        nodes: list = []
+        odd: list = self._collect(objects, request_hit, output, nodes)
+        if nodes:
+            self._offer(nodes)
+        return odd
+
+    def collect_objects(
+        self, objects: list, request_hit: cython.bint, output: cython.longlong
+    ) -> tuple:
+        """`release_objects` without the release: the block ids it would release (each
+        having learned its releasing request, as `note_release` does), and the objects it
+        would return, for an engine's rules to release them (`release_ranked`,
+        `release_unranked`)."""
+        nodes: list = []
+        odd: list = self._collect(objects, request_hit, output, nodes)
+        return (nodes, odd)
+
+    @cython.cfunc
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def _collect(
+        self, objects: list, request_hit: cython.bint, output: cython.longlong, nodes: list
+    ) -> list:
         n: cython.Py_ssize_t = len(objects)
         i: cython.Py_ssize_t
         node: cython.int
         keys: list = self.keys
         name = self.key_attribute
-        nodes: list = []
         odd: list = []
         for i in range(n):
             item = objects[i]
@@ -740,8 +769,6 @@ class DenseCostCore:
             self.request_hit[node] = request_hit
             self.request_output[node] = output
             nodes.append(node)
-        if nodes:
-            self._offer(nodes)
         return odd
 
     @cython.cfunc
@@ -762,11 +789,44 @@ class DenseCostCore:
         for i in range(n):
             node = nodes[i]
             evictable[node] = 1
+            self.unranked[node] = 0
             since[node] = self.entered
             self.entered += 1
             if children[node] == 0:
                 self._push(node)
         self.num_evictable += n
+
+    def release_ranked(self, nodes: list) -> None:
+        """`release_n` of `nodes` keeping what each knew of its releasing request (an
+        engine's rules noted it first: `note_release`)."""
+        self._offer(nodes)
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def note_release(
+        self, nodes: list, from_ends: list, request_hit: cython.bint, output: cython.longlong
+    ) -> None:
+        """Each of `nodes` learns its releasing request (`release_n`'s first step), before
+        an engine's rules release it ranked or not."""
+        i: cython.Py_ssize_t
+        node: cython.int
+        for i in range(len(nodes)):
+            node = nodes[i]
+            self.from_end[node] = from_ends[i]
+            self.request_hit[node] = request_hit
+            self.request_output[node] = output
+
+    def release_unranked(self, nodes: list) -> None:
+        """Nothing holds `nodes` (blocks without cached children) any more, and the
+        engine's rules evict them themselves, ahead of the policy's choice: evictable,
+        but neither ranked nor candidates (so the policy learns nothing from them)."""
+        node: cython.int
+        for node in nodes:
+            self.evictable[node] = 1
+            self.unranked[node] = 1
+            self.since[node] = self.entered
+            self.entered += 1
+        self.num_evictable += len(nodes)
 
     def restore_n(self, nodes: list) -> None:
         """Nodes withdrawn without a use (another tier held them while it copied them
@@ -846,6 +906,7 @@ class DenseCostCore:
         """An evictable `node` is held again (a prefix hit); no-op if it is not."""
         if self.evictable[node]:
             self.evictable[node] = 0
+            self.unranked[node] = 0
             self.num_evictable -= 1
             if self.children[node] == 0:
                 self._discard(node)
@@ -883,6 +944,7 @@ class DenseCostCore:
         history if its trial is open. Its identity ends."""
         if self.evictable[node]:
             self.evictable[node] = 0
+            self.unranked[node] = 0
             self.num_evictable -= 1
             if self.children[node] == 0:
                 self._discard(node)
@@ -925,7 +987,7 @@ class DenseCostCore:
             above = self.parent[node]
             if above >= 0 and serial[above] == self.parent_serial[node]:
                 children[above] -= 1
-                if children[above] == 0 and evictable[above]:
+                if children[above] == 0 and evictable[above] and not self.unranked[above]:
                     # below every candidate: the next victim, with no push and pop (a
                     # request's chain, ranked tail lowest, goes in one run)
                     if taken + 1 < n and (self.size == 0 or self._less(above, self.heap[0])):
@@ -1091,6 +1153,23 @@ class DenseCostCore:
     def is_ranked(self, node: cython.int) -> bool:
         return bool(self.ranked[node])
 
+    def serial_of(self, node: cython.int) -> int:
+        return self.serial[node]
+
+    def depth_of(self, node: cython.int) -> int:
+        return self.depth[node]
+
+    def is_candidate(self, node: cython.int) -> bool:
+        """Evictable with no cached children (ranked or not)."""
+        return bool(self.evictable[node]) and self.children[node] == 0
+
+    def is_anchored(self, node: cython.int) -> bool:
+        return bool(self.anchored[node])
+
+    def anchor(self, node: cython.int) -> None:
+        """Mark `node`'s current identity (an engine's rules read it: `is_anchored`)."""
+        self.anchored[node] = 1
+
     def live_parent(self, node: cython.int) -> int:
         """`node`'s parent if the link is live, else -1."""
         above: cython.int = self.parent[node]
@@ -1136,8 +1215,9 @@ class DenseCostCore:
                 continue
             assert self.children[node] == counted[node], f"block {node}: child count"
             evictable += self.evictable[node]
-            leaf = bool(self.evictable[node]) and counted[node] == 0
+            leaf = bool(self.evictable[node]) and counted[node] == 0 and not self.unranked[node]
             assert (self.pos[node] >= 0) == leaf, f"block {node}: heap membership"
+            assert self.evictable[node] or not self.unranked[node], f"block {node}: unranked"
             if leaf:
                 assert self.heap[self.pos[node]] == node, f"block {node}: heap slot"
         assert evictable == self.num_evictable, "evictable count"
@@ -1172,7 +1252,7 @@ class DenseCostCore:
         above: cython.int = self.parent[node]
         if above >= 0 and self.serial[above] == self.parent_serial[node]:
             self.children[above] -= 1
-            if self.children[above] == 0 and self.evictable[above]:
+            if self.children[above] == 0 and self.evictable[above] and not self.unranked[above]:
                 self._push(above)
 
     @cython.cfunc

@@ -1,11 +1,14 @@
 """The hybrid rules of kvplug's vLLM pool: one decision across groups, and anchors.
 
-A hybrid model's KV cache groups share one `kvplug.vllm.block_pool.KVPlugBlockPool`. A hit
-is the junction every group serves: at block position a, every full-attention block
+A hybrid model's KV cache groups share one tracked pool (the record pool,
+`kvplug.vllm.block_pool.KVPlugBlockPool`, or the dense `kvplug.vllm.dense_pool.DenseCostPool`).
+A hit is the junction every group serves: at block position a, every full-attention block
 before a and, in each sliding-window group, the window of W blocks before a (W =
 ``cdiv(sliding_window - 1, block_size)``). `HybridRules` holds what the pool does about
 that; the pool owns one when it is tracked and has a sliding-window group, and calls it
-at its hook points (`on_cached`, `on_touch`, `release_n`, `next_victim`).
+at its hook points (`on_cached`, `on_touch`, `release_n`, `next_victim`). The rules work
+on block ids and read and tell the pool's eviction state through its `BlockNodes` (the
+record pool's records, or the dense core's arrays), so both pools run the same rules.
 
 **Cross-group retiring.** When the policy evicts a full-attention block (a leaf) or one
 group's sliding-window block, the other sliding-window groups' blocks at that position
@@ -15,7 +18,8 @@ choice) while the victim's hash is not cached again (`dependents`).
 **Anchors** (with each sliding-window group's window known, and a full-attention group).
 vLLM caches every sliding-window block a request computed, but later requests are served
 at a few positions only, the *anchors*; a sliding-window record is marked ``anchored``
-when it lies in the window before one:
+(`BlockNodes.anchor`, for the block's current identity) when it lies in the window before
+one:
 
 - a position a lookup was served at (the blocks `touch` reuses are that window);
 - a prompt's end, and the longest hit a resend of it can get (vLLM leaves the last token
@@ -38,9 +42,9 @@ hands out every block these rules name), so KV events stay exact.
 Invariants (the pool's ``check_invariants`` checks both, the second through this
 class's `check_invariants`):
 
-- an unanchored sliding-window record is never one of the policy's candidates
+- an unanchored sliding-window block is never one of the policy's candidates
   (`is_unranked`);
-- every evictable unanchored sliding-window record has a live entry (its current serial)
+- every evictable unanchored sliding-window block has a live entry (its current serial)
   in the evicted-first queue, so it goes before the policy's choice.
 """
 
@@ -48,16 +52,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvplug.core.eviction import live_parent
 from kvplug.core.groups import GroupKind
-from kvplug.vllm.compat import cached_blocks
+from kvplug.vllm.compat import cached_blocks, may_hold_copies
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-    from kvplug.vllm.block_pool import CachedBlock, KVPlugBlockPool
+    from kvplug.vllm.block_pool import KVPlugBlockPool
 
 # victims whose position's sliding-window blocks in other groups are retired with them
 RETIRING_KINDS = (GroupKind.FULL, GroupKind.SLIDING_WINDOW)
@@ -68,30 +71,50 @@ def _suffix(group: int) -> bytes:
     return group.to_bytes(4, "big")
 
 
-class HybridRules:
-    """The cross-group and anchor rules (module doc) of one tracked `KVPlugBlockPool`.
+class BlockNodes(Protocol):
+    """A tracked pool's eviction state by block id, as the hybrid rules read and change
+    it: each block's current identity (its serial, -1: none), its tree links and whether
+    it is evictable, a candidate (evictable, no cached children) or anchored; releases
+    ranked by the policy or not; and the policy's next victim (-1: none)."""
 
-    Made by the pool's `use_policy` for a model with a sliding-window group, after the
-    pool's eviction core, statistics and per-block lists (``_keys``, ``_slots``), which
-    it keeps references to (the pool never replaces them while these rules are in use;
-    vLLM replaces its hash map on a prefix-cache reset, so that is read through the pool).
-    It keeps two queues of ``(record, serial)`` entries; an entry whose record has another
-    serial by now is stale and skipped.
+    def serial_of(self, node: int) -> int: ...
+    def is_evictable(self, node: int) -> bool: ...
+    def is_candidate(self, node: int) -> bool: ...
+    def live_parent(self, node: int) -> int: ...
+    def cached_children(self, node: int) -> int: ...
+    def depth_of(self, node: int) -> int: ...
+    def is_anchored(self, node: int) -> bool: ...
+    def anchor(self, node: int) -> None: ...
+    def release_ranked(self, nodes: list[int]) -> None: ...
+    def release_unranked(self, nodes: list[int]) -> None: ...
+    def next_victim(self) -> int: ...
+
+
+class HybridRules:
+    """The cross-group and anchor rules (module doc) of one tracked pool.
+
+    Made by the pool's `use_policy` for a model with a sliding-window group, with the
+    pool's `BlockNodes` (`nodes`), after its statistics and key list (``_keys``, by block
+    id), which it keeps references to (the pool never replaces them while these rules are
+    in use; vLLM replaces its hash map on a prefix-cache reset, so that is read through
+    the pool). It keeps two queues of ``(block id, serial)`` entries; an entry whose block
+    has another identity by now is stale and skipped.
     """
 
     def __init__(
         self,
         pool: KVPlugBlockPool,
+        nodes: BlockNodes,
         group_kinds: Mapping[int, GroupKind],
         windows: Mapping[int, int],
     ) -> None:
         self.pool = pool
-        self._eviction = pool.eviction
+        self.nodes = nodes
         self._stats = pool.stats
-        self._keys, self._slots = pool._keys, pool._slots  # the pool's, by block id
+        self._keys = pool._keys  # the pool's, by block id
         self.group_kinds = dict(group_kinds)
-        # dependents to evict next: (record, its serial, the victim's key they depend on)
-        self._retiring: deque[tuple[CachedBlock, int, Any]] = deque()
+        # dependents to evict next: (block id, its serial, the victim's key they depend on)
+        self._retiring: deque[tuple[int, int, Any]] = deque()
         # sliding-window groups with a known window (blocks a hit needs before it), by
         # group id; with a full-attention group, they turn on the anchor rules
         full = {_suffix(g) for g, kind in self.group_kinds.items() if kind is GroupKind.FULL}
@@ -109,19 +132,19 @@ class HybridRules:
         self._suffix_windows = [(_suffix(group), window) for group, window in self.windows.items()]
         self._full_suffixes = full if self.windows else set()
         # released blocks evicted before the policy's choice, in release order (unanchored
-        # sliding-window blocks, full-attention copies): (record, its serial)
-        self._first: deque[tuple[CachedBlock, int]] = deque()
+        # sliding-window blocks, full-attention copies): (block id, its serial)
+        self._first: deque[tuple[int, int]] = deque()
 
     # -- anchors -----------------------------------------------------------------------
     def anchor(self, blocks: Sequence[KVCacheBlock]) -> None:
         """`blocks` (one sliding-window group's) lie in the window before an anchor: a
         position a later request is likely served at. Released, they are ranked by the
         policy; other released sliding-window blocks are evicted first."""
-        keys, slots = self._keys, self._slots
+        keys, anchor = self._keys, self.nodes.anchor
         for block in blocks:
             key = keys[block.block_id]
             if key is not None and key == block._block_hash:
-                slots[block.block_id].anchored = True
+                anchor(block.block_id)
 
     def on_touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """A lookup was served with `blocks`: its sliding-window blocks are the window
@@ -129,11 +152,11 @@ class HybridRules:
         windowed = self._window_suffixes
         if not windowed:
             return
-        keys, slots = self._keys, self._slots
+        keys, anchor = self._keys, self.nodes.anchor
         for block in blocks:
             key = keys[block.block_id]
             if key is not None and key == block._block_hash and key[-4:] in windowed:
-                slots[block.block_id].anchored = True
+                anchor(block.block_id)
 
     def on_cached(
         self,
@@ -160,98 +183,106 @@ class HybridRules:
             start = max(end - window, num_cached_blocks)
             self.anchor(blocks[start : min(end, num_full_blocks)])
 
-    def canonical(self, record: CachedBlock) -> CachedBlock:
-        """The record vLLM's map names first for `record`'s key (vLLM caches duplicates):
-        a request that recomputed cached blocks continues below the first copy, so its
-        own copies stay leaves. The pool calls it only when `windows` is set."""
-        block = self.pool.cached_block_hash_to_block.get_one_block(record.key)
-        if block is None or block is record.block or self._keys[block.block_id] != record.key:
-            return record
-        return self._slots[block.block_id]
+    def canonical(self, node: int) -> int:
+        """The block vLLM's map names first for `node`'s key (vLLM caches duplicates): a
+        request that recomputed cached blocks continues below the first copy, so its own
+        copies stay leaves. The pool calls it only when `windows` is set."""
+        key = self._keys[node]
+        block = self.pool.cached_block_hash_to_block.get_one_block(key)
+        if block is None or block.block_id == node or self._keys[block.block_id] != key:
+            return node
+        return block.block_id
+
+    def holds_copies(self, blocks: Sequence[KVCacheBlock], start: int, end: int) -> bool:
+        """Whether vLLM's map may hold another block under the hash of one of
+        ``blocks[start:end]`` (False: each is its key's only block, its own canonical)."""
+        hash_map = self.pool.cached_block_hash_to_block
+        return any(may_hold_copies(hash_map, blocks[i]._block_hash) for i in range(start, end))
 
     # -- release and eviction ------------------------------------------------------------
-    def release_n(self, records: list[CachedBlock]) -> None:
-        """The pool's `EvictionCore.release_n` for hybrid pools: `records` (released, in
-        order) are ranked and offered, but unanchored sliding-window records are queued to
+    def release_n(self, nodes: list[int]) -> None:
+        """Release `nodes` (in order) for hybrid pools: ranked and offered
+        (`BlockNodes.release_ranked`), but unanchored sliding-window blocks are queued to
         be evicted first and offered unranked, and full-attention copies are ranked and
         also queued to be evicted first."""
         windowed = self._window_suffixes
-        eviction = self._eviction
         if not windowed:
-            eviction.release_n(records)
+            self.nodes.release_ranked(nodes)
             return
-        full, first = self._full_suffixes, self._first
-        ranked: list[CachedBlock] = []
-        unranked: list[CachedBlock] = []  # evicted first, and never ranked
-        for record in records:
-            group = record.key[-4:]
-            if group in windowed and not record.anchored:
-                first.append((record, record.serial))
-                unranked.append(record)
+        keys, full, first = self._keys, self._full_suffixes, self._first
+        serial_of, is_anchored = self.nodes.serial_of, self.nodes.is_anchored
+        ranked: list[int] = []
+        unranked: list[int] = []  # evicted first, and never ranked
+        for node in nodes:
+            key = keys[node]
+            group = key[-4:]
+            if group in windowed and not is_anchored(node):
+                first.append((node, serial_of(node)))
+                unranked.append(node)
                 continue
-            if group in full and self._cached_elsewhere(record.key, record.block.block_id):
-                first.append((record, record.serial))  # a copy: the other one serves
-            ranked.append(record)
+            if group in full and self._cached_elsewhere(key, node):
+                first.append((node, serial_of(node)))  # a copy: the other one serves
+            ranked.append(node)
         if ranked:
-            eviction.release_n(ranked)
+            self.nodes.release_ranked(ranked)
         if unranked:
-            eviction.release_unranked(unranked)
+            self.nodes.release_unranked(unranked)
 
-    def queued_first(self) -> list[CachedBlock]:
-        """The records `next_victim` takes before the policy's choice as things stand
+    def queued_first(self) -> list[int]:
+        """The blocks `next_victim` takes before the policy's choice as things stand
         (retiring dependents, then the evicted-first queue), without changing anything."""
-        is_candidate, found = self._eviction.is_candidate, []
-        for record, serial, needed in self._retiring:
-            if not self._is_cached(needed) and record.serial == serial and is_candidate(record):
-                found.append(record)
-        for record, serial in self._first:
-            if record.serial != serial or not is_candidate(record) or record in found:
+        nodes = self.nodes
+        serial_of, is_candidate, found = nodes.serial_of, nodes.is_candidate, []
+        for node, serial, needed in self._retiring:
+            if not self._is_cached(needed) and serial_of(node) == serial and is_candidate(node):
+                found.append(node)
+        for node, serial in self._first:
+            if serial_of(node) != serial or not is_candidate(node) or node in found:
                 continue
-            if record.key[-4:] in self._full_suffixes:
-                if not self._cached_elsewhere(record.key, record.block.block_id):
-                    continue
-            elif record.anchored:
-                continue
-            found.append(record)
+            if self._still_first(node):
+                found.append(node)
         return found
 
-    def next_victim(self) -> CachedBlock | None:
-        """The record to evict next, or None if there is none; the pool forgets it and
-        hands its block out. In order: a retiring dependent whose victim's hash is still
-        gone (its own dependents queued next), the oldest live entry of the evicted-first
-        queue, else the policy's choice (with the blocks it retires queued)."""
-        retiring, is_candidate = self._retiring, self._eviction.is_candidate
+    def next_victim(self) -> int:
+        """The block to evict next, or -1 if there is none; the pool forgets it and hands
+        it out. In order: a retiring dependent whose victim's hash is still gone (its own
+        dependents queued next), the oldest live entry of the evicted-first queue, else
+        the policy's choice (with the blocks it retires queued)."""
+        nodes = self.nodes
+        retiring, serial_of, is_candidate = self._retiring, nodes.serial_of, nodes.is_candidate
         while retiring:
-            record, serial, needed = retiring.popleft()
+            node, serial, needed = retiring.popleft()
             # still dead: the victim's block was not cached again since (vLLM's map keeps
             # the victim itself until it is handed out; the pool forgot it already)
             if self._is_cached(needed):
                 continue
-            if record.serial == serial and is_candidate(record):
+            if serial_of(node) == serial and is_candidate(node):
                 self._stats.retired += 1
-                if record.key[-4:] in self._full_suffixes:  # a dead leaf: its path's turn
-                    retiring.extend(self.dependents(record))
-                    self._retire_dead_parent(record)
-                return record
+                if self._keys[node][-4:] in self._full_suffixes:  # a dead leaf: its path's turn
+                    retiring.extend(self.dependents(node))
+                    self._retire_dead_parent(node)
+                return node
         first = self._first
         while first:
-            record, serial = first.popleft()
-            if record.serial != serial or not is_candidate(record):
-                continue
-            if record.key[-4:] in self._full_suffixes:
-                if not self._cached_elsewhere(record.key, record.block.block_id):
-                    continue  # the other copy went first: this one is ranked
-            elif record.anchored:
-                continue
-            return record
-        victim = self._eviction.next_victim()
-        if victim is not None:
+            node, serial = first.popleft()
+            if serial_of(node) == serial and is_candidate(node) and self._still_first(node):
+                return node
+        victim = nodes.next_victim()
+        if victim >= 0:
             retiring.extend(self.dependents(victim))
-            if victim.key[-4:] in self._full_suffixes:
+            if self._keys[victim][-4:] in self._full_suffixes:
                 self._retire_dead_parent(victim)
         return victim
 
-    def dependents(self, victim: CachedBlock) -> list[tuple[CachedBlock, int, Any]]:
+    def _still_first(self, node: int) -> bool:
+        """Whether a live, evictable entry of the evicted-first queue still goes first: a
+        full-attention copy while the other copy is cached, a window while unanchored."""
+        key = self._keys[node]
+        if key[-4:] in self._full_suffixes:
+            return self._cached_elsewhere(key, node)  # else the other went first: ranked
+        return not self.nodes.is_anchored(node)
+
+    def dependents(self, victim: int) -> list[tuple[int, int, Any]]:
         """Evictable blocks of other groups at `victim`'s position that serve no junction
         once it is gone, with their serials and the victim's key (a dependent is evicted
         only while that key is not cached again).
@@ -265,14 +296,15 @@ class HybridRules:
         has none. Mamba states are not retired this way: on the Mamba preset of the hybrid
         replay it cost saved compute (the policy then relearns their reuse from ghosts it
         would not otherwise see); see the README."""
-        key = victim.key
+        keys = self._keys
+        key = keys[victim]
         if self.group_kinds.get(int.from_bytes(key[-4:], "big")) not in RETIRING_KINDS:
             return []
-        if self.windows and self._cached_elsewhere(key, victim.block.block_id):
+        if self.windows and self._cached_elsewhere(key, victim):
             return []  # another copy still serves the position
         position = key[:-4]
         lookup = self.pool.cached_block_hash_to_block.get_one_block
-        keys, slots = self._keys, self._slots
+        nodes = self.nodes
         found = []
         for suffix in self._sliding_suffixes:
             other = position + suffix
@@ -280,27 +312,28 @@ class HybridRules:
                 continue
             block = lookup(other)
             if block is not None and keys[block.block_id] == other:
-                record = slots[block.block_id]
-                if record.evictable:
-                    found.append((record, record.serial, key))
+                node = block.block_id
+                if nodes.is_evictable(node):
+                    found.append((node, nodes.serial_of(node), key))
         return found
 
-    def _retire_dead_parent(self, victim: CachedBlock) -> None:
+    def _retire_dead_parent(self, victim: int) -> None:
         """When full-attention `victim` goes, its parent may become a leaf that ends a
         path no junction can use (the window before the position after it is missing
         in some sliding-window group): retire it too, which cascades up the path."""
-        parent = live_parent(victim)
-        if parent is None or parent.cached_children != 1 or not parent.evictable:
+        nodes, keys = self.nodes, self._keys
+        parent = nodes.live_parent(victim)
+        if parent < 0 or nodes.cached_children(parent) != 1 or not nodes.is_evictable(parent):
             return
         hashes, node = [], parent
-        for _ in range(min(max(self.windows.values()), parent.depth + 1)):
-            if node is None:
+        for _ in range(min(max(self.windows.values()), nodes.depth_of(parent) + 1)):
+            if node < 0:
                 return  # cannot tell
-            hashes.append(node.key[:-4])
-            node = live_parent(node)
+            hashes.append(keys[node][:-4])
+            node = nodes.live_parent(node)
         for suffix, window in self._suffix_windows:
             if not all(self._is_cached(position + suffix) for position in hashes[:window]):
-                self._retiring.append((parent, parent.serial, victim.key))
+                self._retiring.append((parent, nodes.serial_of(parent), keys[victim]))
                 return
 
     # -- vLLM's hash map, as the pool accounts for it --------------------------------------
@@ -315,23 +348,32 @@ class HybridRules:
     def _cached_elsewhere(self, key: Any, block_id: int) -> bool:
         """Whether a block other than `block_id` holds `key` (vLLM caches duplicates; its
         map's layout differs by release: `kvplug.vllm.compat.cached_blocks`)."""
-        blocks = cached_blocks(self.pool.cached_block_hash_to_block, key)
+        hash_map = self.pool.cached_block_hash_to_block
+        if not may_hold_copies(hash_map, key):
+            return False
+        blocks = cached_blocks(hash_map, key)
         if len(blocks) < 2:
             return False
         keys = self._keys
         return any(b.block_id != block_id and keys[b.block_id] == key for b in blocks)
 
     # -- audit ---------------------------------------------------------------------------
-    def is_unranked(self, record: CachedBlock) -> bool:
-        """Whether `record` is released unranked when freed (an unanchored window)."""
-        return record.key[-4:] in self._window_suffixes and not record.anchored
+    def is_unranked(self, node: int) -> bool:
+        """Whether `node` is released unranked when freed (an unanchored window)."""
+        key = self._keys[node]
+        return (
+            key is not None
+            and key[-4:] in self._window_suffixes
+            and not self.nodes.is_anchored(node)
+        )
 
-    def check_invariants(self, records: Sequence[CachedBlock]) -> None:
-        """Raise AssertionError if an unanchored window is evictable but not queued first;
-        `records` are the pool's live records (the pool checks the policy's candidates)."""
-        queued = {(id(record), serial) for record, serial in self._first}
-        for record in records:
-            if record.evictable and self.is_unranked(record):
-                assert (id(record), record.serial) in queued, (
-                    f"block {record.block.block_id}: unanchored window, not queued first"
+    def check_invariants(self) -> None:
+        """Raise AssertionError if an unanchored window is evictable but not queued first
+        (the pool checks the policy's candidates)."""
+        queued = set(self._first)
+        nodes = self.nodes
+        for node, key in enumerate(self._keys):
+            if key is not None and nodes.is_evictable(node) and self.is_unranked(node):
+                assert (node, nodes.serial_of(node)) in queued, (
+                    f"block {node}: unanchored window, not queued first"
                 )

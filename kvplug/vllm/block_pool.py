@@ -58,7 +58,7 @@ from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.core.groups import GroupKind
 from kvplug.policies import make_policy
 from kvplug.policies.base import EvictionPolicy, RankedPolicy
-from kvplug.vllm.anchors import HybridRules
+from kvplug.vllm.anchors import BlockNodes, HybridRules
 from kvplug.vllm.free_queue import PolicyFreeQueue
 from kvplug.vllm.stats import PoolStats
 
@@ -118,6 +118,53 @@ class CachedBlock:
         self.cached_children = 0
         self.evictable = False
         self.anchored = False  # sliding window: before an anchor (`kvplug.vllm.anchors`)
+
+
+class RecordNodes(BlockNodes):
+    """The record pool's eviction state by block id (`kvplug.vllm.anchors.BlockNodes`):
+    each block's `CachedBlock` and the generic eviction core, for the hybrid rules."""
+
+    def __init__(self, slots: list[CachedBlock], eviction: EvictionCore[CachedBlock]) -> None:
+        self._slots = slots
+        self._eviction = eviction
+
+    def serial_of(self, node: int) -> int:
+        return self._slots[node].serial
+
+    def is_evictable(self, node: int) -> bool:
+        return self._slots[node].evictable
+
+    def is_candidate(self, node: int) -> bool:
+        record = self._slots[node]
+        return record.evictable and record.cached_children == 0
+
+    def live_parent(self, node: int) -> int:
+        parent = live_parent(self._slots[node])
+        return -1 if parent is None else parent.block.block_id
+
+    def cached_children(self, node: int) -> int:
+        return self._slots[node].cached_children
+
+    def depth_of(self, node: int) -> int:
+        return self._slots[node].depth
+
+    def is_anchored(self, node: int) -> bool:
+        return self._slots[node].anchored
+
+    def anchor(self, node: int) -> None:
+        self._slots[node].anchored = True
+
+    def release_ranked(self, nodes: list[int]) -> None:
+        slots = self._slots
+        self._eviction.release_n([slots[node] for node in nodes])
+
+    def release_unranked(self, nodes: list[int]) -> None:
+        slots = self._slots
+        self._eviction.release_unranked([slots[node] for node in nodes])
+
+    def next_victim(self) -> int:
+        victim = self._eviction.next_victim()
+        return -1 if victim is None else victim.block.block_id
 
 
 class KVPlugBlockPool(BlockPool):
@@ -207,7 +254,8 @@ class KVPlugBlockPool(BlockPool):
                 self._keys = [None] * len(self.blocks)
             # without a sliding-window group no victim retires anything (module doc there)
             if GroupKind.SLIDING_WINDOW in self.group_kinds.values():
-                self.rules = HybridRules(self, self.group_kinds, windows or {})
+                nodes = RecordNodes(self._slots, self.eviction)
+                self.rules = HybridRules(self, nodes, self.group_kinds, windows or {})
         else:  # vLLM's own queue and order; `ReleaseOrderPool` only counts
             self.free_block_queue = FreeKVCacheBlockQueue(free)
             self._partial_entries = False  # whether vLLM registered a partial entry
@@ -287,7 +335,7 @@ class KVPlugBlockPool(BlockPool):
             if keys[before.block_id] is not None:
                 parent = self._slots[before.block_id]
                 if canonical is not None:
-                    parent = canonical(parent)
+                    parent = self._slots[canonical(before.block_id)]
         if tree and canonical is None:
             self._record_chain(blocks, num_cached_blocks, num_full_blocks, parent)
         else:
@@ -300,7 +348,7 @@ class KVPlugBlockPool(BlockPool):
                 if not tree:
                     parent = None
                 elif canonical is not None:
-                    parent = canonical(record)
+                    parent = self._slots[canonical(block.block_id)]
                 else:
                     parent = record
         if rules is not None:
@@ -425,7 +473,7 @@ class KVPlugBlockPool(BlockPool):
                 released = [item for item in released if item[1].block_id not in copies]
                 self._restore(returned)
         # a hybrid pool's rules rank some released blocks, and queue some to go first
-        release_n = self.eviction.release_n if rules is None else rules.release_n
+        release_n = self.eviction.release_n if rules is None else self._release_by_rules
         if held_elsewhere and rules is None:
             # a tier's copy held them, not a request: they keep their last release's
             # standing (and what it knew), lowered to a reload's price
@@ -453,6 +501,10 @@ class KVPlugBlockPool(BlockPool):
             records.append(record)
         if records:
             release_n(records)
+
+    def _release_by_rules(self, records: list[CachedBlock]) -> None:
+        assert self.rules is not None
+        self.rules.release_n([record.block.block_id for record in records])
 
     def _restore(self, returned: list[tuple[int, KVCacheBlock]]) -> None:
         """Blocks a tier took while free and gave back: evictable again with the standing
@@ -519,7 +571,7 @@ class KVPlugBlockPool(BlockPool):
         slots = self._slots
         records = [slots[block.block_id] for block in gone]
         if self.rules is not None:
-            first = self.rules.queued_first()
+            first = [slots[node] for node in self.rules.queued_first()]
             records += first
             for record in first:
                 yield record.block
@@ -532,9 +584,13 @@ class KVPlugBlockPool(BlockPool):
         calls `on_evicted`. Tracked only. A hybrid pool's rules choose it (theirs first,
         else the policy's); others, the eviction core."""
         rules = self.rules
-        victim = self.eviction.next_victim() if rules is None else rules.next_victim()
-        if victim is not None:
-            block: KVCacheBlock = victim.block
+        if rules is None:
+            victim = self.eviction.next_victim()
+            node = -1 if victim is None else victim.block.block_id
+        else:
+            node = rules.next_victim()
+        if node >= 0:
+            block: KVCacheBlock = self.blocks[node]
         else:  # unreachable while the child counts are exact; never strand a free block
             block = self.free_block_queue.any_cached(taken)
         self.forget(block)
@@ -655,11 +711,11 @@ class KVPlugBlockPool(BlockPool):
                 f"block {record.block.block_id}: {record.cached_children} cached children "
                 f"counted, {found} found"
             )
-            unranked = rules is not None and rules.is_unranked(record)
+            unranked = rules is not None and rules.is_unranked(record.block.block_id)
             leaves += record.evictable and found == 0 and not unranked
         assert len(self.policy) == leaves, "the policy's candidates are not the cached leaves"
         if rules is not None:
-            rules.check_invariants(records)
+            rules.check_invariants()
 
 
 class ReleaseOrderPool(KVPlugBlockPool):

@@ -76,6 +76,15 @@ def cached_blocks(hash_map: Any, key: Any) -> list[KVCacheBlock]:
     return list(found.values()) if isinstance(found, dict) else [found]
 
 
+def may_hold_copies(hash_map: Any, key: Any) -> bool:
+    """Whether `hash_map` may hold more than one block under `key` (one dict lookup; False
+    is exact: it holds at most one)."""
+    dup_ids = getattr(hash_map, "_dup_ids", None)
+    if dup_ids is not None:  # 0.34+
+        return key in dup_ids
+    return isinstance(hash_map._cache.get(key), dict)
+
+
 def cached_items(hash_map: Any) -> Iterator[tuple[Any, list[KVCacheBlock]]]:
     """``(key, blocks)`` for every key of `hash_map`."""
     for key in list(hash_map._cache):
@@ -101,4 +110,11 @@ def _takes_index() -> bool:
 
 install()
 
-__all__ = ["PUBLIC_HASH_SLOTS", "cached_blocks", "cached_items", "install", "model_runner_output"]
+__all__ = [
+    "PUBLIC_HASH_SLOTS",
+    "cached_blocks",
+    "cached_items",
+    "install",
+    "may_hold_copies",
+    "model_runner_output",
+]

@@ -6,18 +6,19 @@ keeps every block's state in typed arrays indexed by vLLM's block id. It makes t
 decisions the record-based pool makes with `cost` and with `learned`
 (`kvplug.core.dense.DenseLearnedCore`): the same victims, in the same order, and the same
 learning (a differential test runs both on the same operations). It serves them wherever
-the record pool would, but for a model with a sliding-window group (whose hybrid rules
-need records).
+the record pool would: a model with a sliding-window group runs the same hybrid rules
+(`kvplug.vllm.anchors.HybridRules`) over the dense core, which is their `BlockNodes`;
+then a release and an eviction go through the rules, in Python, and only the policy's
+own work is compiled.
 
 `pool_class` builds it for those policies when the dense core is compiled (it is
-built as a C extension at install where a compiler is present) and the model has no
-sliding-window group. ``KVPLUG_DENSE_CORE`` overrides the choice: ``0`` keeps the record
-pool, ``1`` uses the dense core even as plain Python (slower, for tests); the default,
-``auto``, uses it only compiled.
+built as a C extension at install where a compiler is present). ``KVPLUG_DENSE_CORE``
+overrides the choice: ``0`` keeps the record pool, ``1`` uses the dense core even as plain
+Python (slower, for tests); the default, ``auto``, uses it only compiled.
 
-Invariants (checked by `check_invariants`): those of `KVPlugBlockPool` for a pool without
-hybrid rules, with the dense core's identities in place of records (a block's key is set
-exactly while its identity is live) and the dense core's own (`kvplug.core.dense`).
+Invariants (checked by `check_invariants`): those of `KVPlugBlockPool`, with the dense
+core's identities in place of records (a block's key is set exactly while its identity is
+live), the dense core's own (`kvplug.core.dense`) and the hybrid rules'.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvplug.errors import ConfigError
 from kvplug.policies.base import EvictionPolicy
 from kvplug.policies.cost import CostPolicy
 from kvplug.policies.learned import LearnedPolicy
+from kvplug.vllm.anchors import HybridRules
 from kvplug.vllm.block_pool import BlockStanding, KVPlugBlockPool
 from kvplug.vllm.compat import TOUCH_COUNTS_NULL
 from kvplug.vllm.free_queue import PolicyFreeQueue
@@ -64,10 +66,9 @@ DENSE_CORES: dict[type[EvictionPolicy], type[DenseCostCore]] = {
 
 
 def dense_serves(policy: EvictionPolicy, group_kinds: Mapping[int, GroupKind] | None) -> bool:
-    """Whether `DenseCostPool` makes `policy`'s decisions for a model of `group_kinds`:
-    `cost` or `learned` itself, no sliding-window group."""
-    kinds = group_kinds or {}
-    return type(policy) in DENSE_CORES and GroupKind.SLIDING_WINDOW not in kinds.values()
+    """Whether `DenseCostPool` makes `policy`'s decisions (for a model of any
+    `group_kinds`): `cost` or `learned` itself."""
+    return type(policy) in DENSE_CORES
 
 
 class DenseCostPool(KVPlugBlockPool):
@@ -90,16 +91,13 @@ class DenseCostPool(KVPlugBlockPool):
         group_kinds: Mapping[int, GroupKind] | None = None,
         windows: Mapping[int, int] | None = None,
     ) -> None:
-        """`KVPlugBlockPool.use_policy`, for `cost` or `learned` on a model without a
-        sliding-window group (`dense_serves`)."""
+        """`KVPlugBlockPool.use_policy`, for `cost` or `learned` (`dense_serves`)."""
         if self._num_keys:
             raise RuntimeError("the policy can only be chosen while nothing is cached")
         if not dense_serves(policy, group_kinds):
             raise TypeError(
-                f"DenseCostPool serves kvplug's cost and learned policies on models without a "
-                f"sliding-window group, not policy {policy.name!r} with groups "
-                f"{sorted(k.value for k in (group_kinds or {}).values())}: build the pool "
-                "as pool_class(policy, group_kinds)"
+                f"DenseCostPool serves kvplug's cost and learned policies, not policy "
+                f"{policy.name!r}: build the pool as pool_class(policy, group_kinds)"
             )
         policy.bind(self.hash_block_size, self.num_gpu_blocks)
         self._policy = policy
@@ -124,6 +122,9 @@ class DenseCostPool(KVPlugBlockPool):
         self._evicted = self.core.history
         free = [b for b in self.blocks if not b.is_null]
         self.free_block_queue = DenseFreeQueue(self, free)
+        # without a sliding-window group no victim retires anything (`kvplug.vllm.anchors`)
+        if GroupKind.SLIDING_WINDOW in self.group_kinds.values():
+            self.rules = HybridRules(self, self.core, self.group_kinds, windows or {})
 
     def standing(self, block: KVCacheBlock) -> BlockStanding | None:
         block_id = block.block_id
@@ -158,6 +159,8 @@ class DenseCostPool(KVPlugBlockPool):
                 blocks if isinstance(blocks, list) else list(blocks), TOUCH_COUNTS_NULL
             )
             self.stats.block_hits += hit
+            if self.rules is not None:
+                self.rules.on_touch(blocks)
             return
         if not self.touch_counts_hits:
             for block in blocks:
@@ -175,6 +178,8 @@ class DenseCostPool(KVPlugBlockPool):
         if hit:
             self.core.hit_n(hit)
             self.stats.block_hits += len(hit)
+        if self.rules is not None:
+            self.rules.on_touch(blocks)
         BlockPool.touch(self, blocks)
 
     def cache_full_blocks(
@@ -188,25 +193,43 @@ class DenseCostPool(KVPlugBlockPool):
         block_mask: list[bool] | None = None,
     ) -> None:
         """Cache blocks as vLLM does, then give each new block an identity below its
-        parent (full attention) or alone (other groups)."""
+        parent (full attention) or alone (other groups); a hybrid model's rules see them
+        (with anchors, a copy's children go below the first copy: `HybridRules.canonical`)."""
         if num_cached_blocks >= num_full_blocks:  # vLLM's own no-op, made per request
             return
         BlockPool.cache_full_blocks(
             self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
             kv_cache_group_id, block_mask,
         )  # fmt: skip
+        rules = self.rules
         if self.tree_groups is not None and kv_cache_group_id not in self.tree_groups:
             for i in range(num_cached_blocks, num_full_blocks):
                 block = blocks[i]
                 if not block.is_null and block._block_hash is not None:
                     self._record(block, -1)
-            return
-        parent = -1
-        if num_cached_blocks > 0:
-            before = blocks[num_cached_blocks - 1]
-            if self._keys[before.block_id] is not None:
-                parent = before.block_id
-        self._record_chain(blocks, num_cached_blocks, num_full_blocks, parent)
+        else:
+            canonical = rules.canonical if rules is not None and rules.windows else None
+            parent = -1
+            if num_cached_blocks > 0:
+                before = blocks[num_cached_blocks - 1]
+                if self._keys[before.block_id] is not None:
+                    parent = before.block_id if canonical is None else canonical(before.block_id)
+            if canonical is None or not rules.holds_copies(
+                blocks, num_cached_blocks, num_full_blocks
+            ):  # (no copy among them: each is its own canonical block)
+                self._record_chain(blocks, num_cached_blocks, num_full_blocks, parent)
+            else:
+                for i in range(num_cached_blocks, num_full_blocks):
+                    block = blocks[i]
+                    if block.is_null or block._block_hash is None:
+                        parent = -1
+                        continue
+                    parent = canonical(self._record(block, parent))
+        if rules is not None:
+            rules.on_cached(
+                request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                kv_cache_group_id,
+            )  # fmt: skip
 
     # -- called by PolicyFreeQueue ------------------------------------------------------
     def on_free_n(
@@ -242,22 +265,27 @@ class DenseCostPool(KVPlugBlockPool):
             self._release(nodes, ends, held_elsewhere)
 
     def _release(self, nodes: list[int], ends: list[int], held_elsewhere: bool) -> None:
-        if held_elsewhere:
+        releasing, rules = self.releasing, self.rules
+        if rules is not None:  # the rules rank what they rank (a tier's hold: anew)
+            if not held_elsewhere:
+                self.core.note_release(nodes, ends, releasing.request_hit, releasing.output_tokens)
+            rules.release_n(nodes)
+        elif held_elsewhere:
             self.core.restore_n(nodes)
         else:
-            releasing = self.releasing
             self.core.release_n(nodes, ends, releasing.request_hit, releasing.output_tokens)
 
     def _restore(self, returned: list[tuple[int, KVCacheBlock]]) -> None:
         """Blocks a tier took while free and gave back keep the standing of their last
-        release; a block whose hash changed meanwhile is released anew."""
+        release; a block whose hash changed meanwhile, and any block of a hybrid pool
+        (whose rules rank releases), is released anew."""
         keys, copies = self._keys, self._tier_copies
         kept: list[int] = []
         anew: list[tuple[int, KVCacheBlock]] = []
         for item in returned:
             block = item[1]
             copies.discard(block.block_id)
-            if keys[block.block_id] == block._block_hash:
+            if self.rules is None and keys[block.block_id] == block._block_hash:
                 kept.append(block.block_id)
             else:
                 anew.append(item)
@@ -277,7 +305,22 @@ class DenseCostPool(KVPlugBlockPool):
 
     def evict_n(self, n: int) -> list[KVCacheBlock]:
         """The dense core's next `n` victims, in order, forgotten and counted (the core
-        clears their keys and notes them as recent victims, `on_evicted`'s work)."""
+        clears their keys and notes them as recent victims, `on_evicted`'s work); a
+        hybrid model's rules choose them one at a time (`evict_next`)."""
+        rules = self.rules
+        if rules is not None:  # `evict_next` n times, then `on_evicted`
+            taken: list[KVCacheBlock] = []
+            blocks, keys, remove = self.blocks, self._keys, self.core.remove
+            for _ in range(n):
+                block_id = rules.next_victim()
+                if block_id < 0:  # unreachable while the child counts are exact
+                    block_id = self.free_block_queue.any_cached(taken).block_id
+                remove(block_id)
+                keys[block_id] = None
+                taken.append(blocks[block_id])
+            self._num_keys -= n
+            self.on_evicted(taken)
+            return taken
         victims: list[KVCacheBlock] = self.core.pop_victims(n)
         self._num_keys -= len(victims)
         self.stats.evictions += len(victims)
@@ -293,11 +336,18 @@ class DenseCostPool(KVPlugBlockPool):
 
     def iter_victims(self, gone: Sequence[KVCacheBlock] = ()) -> Iterator[KVCacheBlock]:
         blocks = self.blocks
-        for block_id in iter_victims(self.core, [block.block_id for block in gone]):
+        nodes = [block.block_id for block in gone]
+        if self.rules is not None:
+            first = self.rules.queued_first()
+            nodes += first
+            for block_id in first:
+                yield blocks[block_id]
+        for block_id in iter_victims(self.core, nodes):
             yield blocks[block_id]
 
     def evict_next(self, taken: Sequence[KVCacheBlock] = ()) -> KVCacheBlock:
-        block_id = self.core.next_victim()
+        rules = self.rules
+        block_id = self.core.next_victim() if rules is None else rules.next_victim()
         # -1 is unreachable while the child counts are exact; never strand a free block
         block = self.blocks[block_id] if block_id >= 0 else self.free_block_queue.any_cached(taken)
         self.forget(block)
@@ -365,6 +415,8 @@ class DenseCostPool(KVPlugBlockPool):
         for block_id in self._tier_copies:
             assert self.blocks[block_id].ref_cnt > 0, f"block {block_id}: a tier's copy, free"
         core.check_invariants()
+        if self.rules is not None:
+            self.rules.check_invariants()
 
 
 class DenseFreeQueue(PolicyFreeQueue):
@@ -390,7 +442,7 @@ class DenseFreeQueue(PolicyFreeQueue):
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         core = self.core
-        if not self._first_entry:  # no evict-first lane: one compiled call
+        if not self._first_entry and self.pool.rules is None:  # one compiled call
             if core.num_fresh + core.num_evictable < n:
                 raise ValueError("Not enough free blocks are available")
             handed: list[KVCacheBlock] = core.take_n(n)
@@ -435,11 +487,15 @@ class DenseFreeQueue(PolicyFreeQueue):
                 pool.on_free_n(released, held_elsewhere)
             return
         releasing = pool.releasing
-        odd = self.core.release_objects(
-            blocks if isinstance(blocks, list) else list(blocks),
-            releasing.request_hit,
-            releasing.output_tokens,
-        )
+        objects = blocks if isinstance(blocks, list) else list(blocks)
+        if pool.rules is not None:  # the same pass, the rules ranking what they rank
+            nodes, odd = self.core.collect_objects(
+                objects, releasing.request_hit, releasing.output_tokens
+            )
+            if nodes:
+                pool.rules.release_n(nodes)
+        else:
+            odd = self.core.release_objects(objects, releasing.request_hit, releasing.output_tokens)
         if odd:  # from a hash the pool does not account for on: in order, as one at a time
             pool.on_free_n(odd)
 

@@ -32,16 +32,21 @@ from vllm.v1.core.kv_cache_utils import BlockHash  # noqa: E402
 import kvplug.core.dense  # noqa: E402
 from kvplug.core.groups import GroupKind  # noqa: E402
 from kvplug.errors import ConfigError  # noqa: E402
+from kvplug.hybrid.spec import HYBRID_PRESETS  # noqa: E402
 from kvplug.policies import make_policy  # noqa: E402
 from kvplug.policies.cost import CostPolicy  # noqa: E402
 from kvplug.policies.learned import LearnedPolicy  # noqa: E402
 from kvplug.replay.arms.base import FRESH_UNIT_BASE  # noqa: E402
 from kvplug.replay.arms.vllm import VLLMStockArm  # noqa: E402
+from kvplug.replay.arms.vllm_hybrid import VLLMHybridArm  # noqa: E402
 from kvplug.vllm import dense_pool  # noqa: E402
 from kvplug.vllm.block_pool import KVPlugBlockPool, ReleaseOrderPool, pool_class  # noqa: E402
 from kvplug.vllm.dense_pool import CHOICE_VARIABLE, DenseCostPool  # noqa: E402
 
 F = FRESH_UNIT_BASE
+GEMMA = HYBRID_PRESETS["gemma3-like"]  # 5 sliding-window groups, 1 full attention
+NEMOTRON = HYBRID_PRESETS["nemotron-h-like"]  # Mamba groups, 1 full attention
+HYBRID_BLOCK_TOKENS = 512
 
 
 def _plain_python_cores() -> dict[type, type]:
@@ -161,6 +166,67 @@ def test_dense_pools_decide_as_the_record_pool(policy, capacity, prefixes, ops):
             arm.manager.block_pool.check_invariants()
 
 
+def three_hybrid_arms(spec, pages: int, policy: str) -> list[VLLMHybridArm]:
+    """`three_arms` for a hybrid model: vLLM's hybrid coordinator over each pool."""
+    params = POLICIES[policy]
+    arms = []
+    for choice, cores in (("0", None), ("1", None), ("1", PLAIN_CORES)):
+        with dense_choice(choice, cores):
+            capacity = pages * spec.page_bytes(HYBRID_BLOCK_TOKENS)
+            arms.append(
+                VLLMHybridArm(spec, capacity, HYBRID_BLOCK_TOKENS, make_policy(policy, params))
+            )
+    assert type(arms[0].manager.block_pool) is KVPlugBlockPool
+    assert type(arms[1].manager.block_pool) is DenseCostPool
+    assert type(arms[2].manager.block_pool.core) in PLAIN_CORES.values()
+    return arms
+
+
+hybrid_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "admit", "grow", "finish"]),
+        st.integers(0, 3),
+        st.integers(1, 8),
+        st.integers(0, 300),
+    ),
+    min_size=10,
+    max_size=40,
+)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("spec", [GEMMA, NEMOTRON], ids=lambda spec: spec.name)
+@settings(max_examples=40, deadline=None)
+@given(pages=st.integers(12, 60), ops=hybrid_ops)
+def test_dense_pools_decide_as_the_record_pool_for_hybrid_models(policy, spec, pages, ops):
+    """The same for a hybrid model's groups sharing one pool: with a sliding-window
+    group the hybrid rules (anchors, retiring, copies evicted first) run over each pool's
+    state, and every pool must take the same victims and learn the same."""
+    arms = three_hybrid_arms(spec, pages, policy)
+    fresh = count(F)
+    running: list[int] = []
+    for req_id, (op, family, length, output) in enumerate(ops):
+        if op == "admit" or not running:
+            prompt = [family * 100 + i for i in range(length)] + [next(fresh)]
+            admitted = {arm.admit(req_id, prompt, length) for arm in arms}
+            assert len(admitted) == 1, f"admissions differ: {admitted}"
+            if admitted.pop() is not None:
+                running.append(req_id)
+        elif op == "grow":
+            unit = next(fresh)
+            grown = {arm.grow(running[family % len(running)], [unit]) for arm in arms}
+            assert len(grown) == 1
+        else:
+            req = running.pop(family % len(running))
+            for arm in arms:
+                arm.finish(req, output)
+        states = [state(arm) for arm in arms]
+        assert states[1] == states[0], f"compiled dense pool differs after {op}"
+        assert states[2] == states[0], f"plain-Python dense pool differs after {op}"
+        for arm in arms:
+            arm.manager.block_pool.check_invariants()
+
+
 def test_the_free_queue_walks_the_dense_pools_eviction_order():
     """What a tier walking the free queue from its head sees (vLLM's lazy offload,
     LMCache's drain) is the order the next allocations evict, in both pools."""
@@ -212,7 +278,8 @@ def test_pool_class_chooses_the_dense_pool_for_cost_only(monkeypatch):
         DenseCostPool
     )
     sliding = {0: GroupKind.FULL, 1: GroupKind.SLIDING_WINDOW}
-    assert pool_class(make_policy("cost"), sliding) is KVPlugBlockPool
+    assert pool_class(make_policy("cost"), sliding) is DenseCostPool
+    assert pool_class(make_policy("lfu"), sliding) is KVPlugBlockPool
     assert pool_class(make_policy("learned")) is DenseCostPool
     assert pool_class(make_policy("lfu")) is KVPlugBlockPool
     assert pool_class(make_policy("lru")) is ReleaseOrderPool
@@ -234,7 +301,5 @@ def test_the_dense_pool_refuses_what_it_cannot_serve():
     pool = arm.manager.block_pool
     if not isinstance(pool, DenseCostPool):
         pytest.skip("the dense core is not compiled here")
-    with pytest.raises(TypeError, match="sliding-window"):
-        pool.use_policy(make_policy("cost"), pool.stats, None, {1: GroupKind.SLIDING_WINDOW})
     with pytest.raises(TypeError, match="'lfu'"):
         pool.use_policy(make_policy("lfu"), pool.stats)

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvplug[vllm]')")
 
-from kvplug.core.eviction import live_parent  # noqa: E402
 from kvplug.core.groups import GroupKind  # noqa: E402
 from kvplug.hybrid.spec import HYBRID_PRESETS  # noqa: E402
 from kvplug.policies import make_policy  # noqa: E402
@@ -319,27 +318,60 @@ def without_anchor_rules(arm: VLLMHybridArm) -> None:
     assert pool.rules is not None and not pool.rules.windows  # cross-group retiring only
 
 
-def sliding_window_records(pool) -> list:
+# the hybrid rules run over either tracked pool: the record pool (records and the generic
+# eviction core) and the dense pool (the dense core's arrays), chosen at build time
+POOLS = {"record": ("0", "KVPlugBlockPool"), "dense": ("1", "DenseCostPool")}
+
+
+@pytest.fixture(params=list(POOLS))
+def ranked_arm(request, monkeypatch):
+    """`make_arm` for kvplug's `cost` on the pool of this run (`POOLS`)."""
+    choice, pool_type = POOLS[request.param]
+    monkeypatch.setenv("KVPLUG_DENSE_CORE", choice)
+
+    def build(spec, pages: int) -> VLLMHybridArm:
+        arm = make_arm(spec, pages, "cost")
+        assert type(arm.manager.block_pool).__name__ == pool_type
+        return arm
+
+    return build
+
+
+def sliding_window_nodes(pool) -> list[int]:
+    """The block ids of the sliding-window blocks the pool accounts for."""
     suffixes = {g.to_bytes(4, "big") for g in range(5)}
     return [
-        pool._slots[block.block_id]
+        block.block_id
         for block in pool.blocks
         if (key := pool._keys[block.block_id]) is not None and key[-4:] in suffixes
     ]
 
 
-def test_a_victim_retires_its_position_in_the_other_sliding_window_groups():
-    arm = make_arm(GEMMA, 61, "cost")
+def live_nodes(pool) -> list[int]:
+    return [node for node, key in enumerate(pool._keys) if key is not None]
+
+
+def num_candidates(pool) -> int:
+    """The policy's candidates: the record pool's policy's, or the dense core's heap."""
+    return len(pool.core) if hasattr(pool, "core") else len(pool.policy)
+
+
+def test_a_victim_retires_its_position_in_the_other_sliding_window_groups(ranked_arm):
+    arm = ranked_arm(GEMMA, 61)
     without_anchor_rules(arm)
     assert arm.admit(0, [*A, F], 10) == 0
     arm.finish(0)  # 60 blocks of A cached, none held
     pool = arm.manager.block_pool
-    victim = pool.eviction.next_victim()
+    nodes = pool.rules.nodes
+    victim = nodes.next_victim()
     dependents = pool.rules.dependents(victim)
-    position, group = victim.key[:-4], int.from_bytes(victim.key[-4:], "big")
+    key = pool._keys[victim]
+    position, group = key[:-4], int.from_bytes(key[-4:], "big")
     expected = {g for g in range(5) if g != group}
-    assert {int.from_bytes(r.key[-4:], "big") for r, *_ in dependents} == expected
-    assert all(r.key[:-4] == position and r.evictable for r, *_ in dependents)
+    found = [pool._keys[node] for node, *_ in dependents]
+    assert {int.from_bytes(k[-4:], "big") for k in found} == expected
+    assert all(k[:-4] == position for k in found)
+    assert all(nodes.is_evictable(node) for node, *_ in dependents)
     # a one-unit prompt takes 6 blocks (one per group), the pool has 1 fresh: 5 go, the
     # victim and then its 4 dependents, before anything the policy would rank next
     assert arm.admit(1, [500, F + 1], 1) == 0
@@ -391,59 +423,65 @@ def test_kvplug_pool_invariants_with_several_groups(policy, spec, ops, pages):
     assert arm.stats().evictions == pool.stats.evictions
 
 
-def test_sliding_window_blocks_before_anchors_are_marked():
-    arm = make_arm(GEMMA, 200, "cost")
+def test_sliding_window_blocks_before_anchors_are_marked(ranked_arm):
+    arm = ranked_arm(GEMMA, 200)
     pool = arm.manager.block_pool
+    nodes = pool.rules.nodes
     assert pool.rules.windows == dict.fromkeys(range(5), 2)
     assert arm.admit(0, [*A, F], 10) == 0
     arm.grow(0, [900, 901, 902])
     arm.finish(0)
     # the prompt (11 units with the sentinel) ends at 11, and a resend is served at most
     # at 10; the request ends at 13 (the last unit, 902, is never computed)
-    anchored = {(r.depth, r.key[-4:]) for r in sliding_window_records(pool) if r.anchored}
+    anchored = {
+        (nodes.depth_of(n), pool._keys[n][-4:])
+        for n in sliding_window_nodes(pool)
+        if nodes.is_anchored(n)
+    }
     assert {depth for depth, _ in anchored} == {8, 9, 10, 11, 12}
     assert len(anchored) == 5 * 5
     # served positions: a hit at 5 touches the window before it, 3 and 4 (request 1's
     # own prompt ends at 7 (its 700 at 5 is anchored, A[5] is not; F + 1 is not computed)
     assert arm.admit(1, [*A[:5], 700, F + 1], 6) == 5
     arm.finish(1)
-    anchored = Counter(r.depth for r in sliding_window_records(pool) if r.anchored)
+    anchored = Counter(
+        nodes.depth_of(n) for n in sliding_window_nodes(pool) if nodes.is_anchored(n)
+    )
     assert anchored == dict.fromkeys([3, 4, 5, 8, 9, 10, 11, 12], 5)
     pool.check_invariants()
 
 
-def test_unanchored_sliding_window_blocks_are_evicted_before_the_policys_choice():
-    arm = make_arm(GEMMA, 61, "cost")
+def test_unanchored_sliding_window_blocks_are_evicted_before_the_policys_choice(ranked_arm):
+    arm = ranked_arm(GEMMA, 61)
     assert arm.admit(0, [*A, F], 10) == 0
     arm.finish(0)  # 60 blocks of A cached, none held, 1 fresh
     pool = arm.manager.block_pool
-    unanchored = [r for r in sliding_window_records(pool) if not r.anchored]
-    assert sorted({r.depth for r in unanchored}) == list(range(8))
-    assert all(r.evictable for r in unanchored)
+    nodes = pool.rules.nodes
+    unanchored = [n for n in sliding_window_nodes(pool) if not nodes.is_anchored(n)]
+    assert sorted({nodes.depth_of(n) for n in unanchored}) == list(range(8))
+    assert all(nodes.is_evictable(n) for n in unanchored)
     # they are not the policy's to rank: its candidates are the others' leaves
-    choice = pool.eviction.next_victim()
-    assert choice is not None and choice not in unanchored
-    assert len(pool.policy) == sum(
-        r.evictable and r.cached_children == 0
-        for r in pool._slots
-        if r.serial >= 0 and r not in unanchored
+    choice = nodes.next_victim()
+    assert choice >= 0 and choice not in unanchored
+    assert num_candidates(pool) == sum(
+        nodes.is_candidate(n) for n in live_nodes(pool) if n not in unanchored
     )
-    kept = [r for r in pool._slots if r.serial >= 0 and r not in unanchored]
-    serials = {id(r): r.serial for r in pool._slots}
+    kept = [n for n in live_nodes(pool) if n not in unanchored]
+    serials = {n: nodes.serial_of(n) for n in range(len(pool.blocks))}
     # a one-unit prompt takes 6 blocks, the pool has 1 fresh: 5 go, all unanchored
     # sliding-window blocks, ahead of the policy's choice and of every anchored window
     assert arm.admit(1, [500, F + 1], 1) == 0
     assert pool.stats.evictions == 5 and pool.stats.retired == 0
-    assert all(r.serial == serials[id(r)] for r in kept)
-    assert sum(r.serial != serials[id(r)] for r in unanchored) == 5
+    assert all(nodes.serial_of(n) == serials[n] for n in kept)
+    assert sum(nodes.serial_of(n) != serials[n] for n in unanchored) == 5
     assert arm.stats().evictions == pool.stats.evictions  # KV events saw every eviction
     pool.check_invariants()
     arm.finish(1)
     pool.check_invariants()
 
 
-def test_pool_audit_catches_an_unanchored_window_not_queued_first():
-    arm = make_arm(GEMMA, 61, "cost")
+def test_pool_audit_catches_an_unanchored_window_not_queued_first(ranked_arm):
+    arm = ranked_arm(GEMMA, 61)
     assert arm.admit(0, [*A, F], 10) == 0
     arm.finish(0)
     pool = arm.manager.block_pool
@@ -453,34 +491,31 @@ def test_pool_audit_catches_an_unanchored_window_not_queued_first():
         pool.check_invariants()
 
 
-def test_recomputed_full_attention_blocks_stay_leaves_and_go_first():
+def test_recomputed_full_attention_blocks_stay_leaves_and_go_first(ranked_arm):
     """A request served a shorter junction than its full-attention hit recomputes cached
     blocks (vLLM caches the copies too): its later blocks hang below the first copies,
     so its own copies are leaves, evicted first once released."""
-    arm = make_arm(GEMMA, 61, "cost")
+    arm = ranked_arm(GEMMA, 61)
     pool = arm.manager.block_pool
+    nodes = pool.rules.nodes
     assert arm.admit(0, [*A, F], 10) == 0
     arm.finish(0)
     assert arm.admit(1, [500, F + 1], 1) == 0  # evicts unanchored windows of A
     arm.finish(1)
     assert arm.admit(2, [*A[:7], 800, F + 2], 8) == 3  # full attention alone: 7
     full = (5).to_bytes(4, "big")
-    records = [
-        pool._slots[block.block_id]
-        for block in pool.blocks
-        if (key := pool._keys[block.block_id]) is not None and key[-4:] == full
-    ]
+    full_nodes = [n for n in live_nodes(pool) if pool._keys[n][-4:] == full]
     lookup = pool.cached_block_hash_to_block.get_one_block
-    firsts = {r.depth: r for r in records if lookup(r.key) is r.block}
-    copies = [r for r in records if lookup(r.key) is not r.block]
-    assert sorted(r.depth for r in copies) == [3, 4, 5, 6]
-    assert all(r.cached_children == 0 for r in copies)
-    own = next(r for r in records if r.depth == 7 and r is not firsts[7])  # its 800
-    assert live_parent(own) is firsts[6]
-    assert firsts[6].cached_children == 2
+    firsts = {nodes.depth_of(n): n for n in full_nodes if lookup(pool._keys[n]).block_id == n}
+    copies = [n for n in full_nodes if lookup(pool._keys[n]).block_id != n]
+    assert sorted(nodes.depth_of(n) for n in copies) == [3, 4, 5, 6]
+    assert all(nodes.cached_children(n) == 0 for n in copies)
+    own = next(n for n in full_nodes if nodes.depth_of(n) == 7 and n != firsts[7])  # its 800
+    assert nodes.live_parent(own) == firsts[6]
+    assert nodes.cached_children(firsts[6]) == 2
     pool.check_invariants()
     arm.finish(2)
-    queued = {id(r) for r, serial in pool.rules._first if r.serial == serial}
-    assert all(id(r) in queued for r in copies)
-    assert not any(id(r) in queued for r in firsts.values())
+    queued = {n for n, serial in pool.rules._first if nodes.serial_of(n) == serial}
+    assert all(n in queued for n in copies)
+    assert not any(n in queued for n in firsts.values())
     pool.check_invariants()
