@@ -470,6 +470,13 @@ class DenseCostCore:
     fresh_head: cython.int
     fresh_tail: cython.int
     num_fresh = cython.declare(cython.Py_ssize_t, visibility="readonly")
+    # an engine's rules' evicted-first queue, a ring: (node, its serial, copy) entries
+    lane_node: cython.int[:]
+    lane_serial: cython.longlong[:]
+    lane_copy: cython.char[:]
+    lane_head: cython.Py_ssize_t
+    lane_mask: cython.Py_ssize_t
+    lane_size = cython.declare(cython.Py_ssize_t, visibility="readonly")
     last_victims = cython.declare(cython.Py_ssize_t, visibility="readonly")  # `take_n`'s
     heap: cython.int[:]
     pos: cython.int[:]
@@ -538,6 +545,12 @@ class DenseCostCore:
         self.in_fresh = array("b", [0]) * n
         self.fresh_head = -1
         self.fresh_tail = -1
+        self.lane_node = array("i", [0]) * 64
+        self.lane_serial = array("q", [0]) * 64
+        self.lane_copy = array("b", [0]) * 64
+        self.lane_head = 0
+        self.lane_mask = 63
+        self.lane_size = 0
         self.num_fresh = 0
         self.last_victims = 0
         self.entered = 0
@@ -568,9 +581,12 @@ class DenseCostCore:
     # -- what the cache reports ----------------------------------------------------------
     @cython.boundscheck(False)
     @cython.wraparound(False)
-    def insert_chain(self, nodes: list, depths: list, parent: cython.int) -> None:
+    def insert_chain(
+        self, nodes: list, depths: list, parent: cython.int, loose: cython.bint = False
+    ) -> None:
         """Each of `nodes` (block ids) cached under a new identity at its depth (`depths`,
-        parallel), each below the one before it and the first below `parent` (-1: none).
+        parallel), each below the one before it and the first below `parent` (-1: none);
+        with `loose`, each below none (a group whose blocks need no blocks before them).
         A key back from the ghost history closes its trial as reused and gives the block
         its reuses back."""
         n: cython.Py_ssize_t = len(nodes)
@@ -578,6 +594,8 @@ class DenseCostCore:
             return
         serial: cython.longlong[:] = self.serial
         children: cython.int[:] = self.children
+        if loose:
+            parent = -1
         if parent >= 0:
             children[parent] += 1
             if children[parent] == 1 and self.evictable[parent]:
@@ -594,7 +612,7 @@ class DenseCostCore:
             self.next_serial += 1
             self.parent[node] = above
             self.parent_serial[node] = -1 if above < 0 else serial[above]
-            children[node] = 0 if i == n - 1 else 1
+            children[node] = 0 if loose or i == n - 1 else 1
             self.evictable[node] = 0
             self.unranked[node] = 0
             self.depth[node] = depths[i]
@@ -607,7 +625,8 @@ class DenseCostCore:
             self.credit[node] = 0
             self.ranked[node] = 0
             self.anchored[node] = 0
-            above = node
+            if not loose:
+                above = node
         if history.num_ghosts:
             for i in range(n):
                 node = nodes[i]
@@ -665,6 +684,7 @@ class DenseCostCore:
         end: cython.Py_ssize_t,
         parent: cython.int,
         block_size: cython.int,
+        loose: cython.bint = False,
     ) -> tuple:
         """A request's newly keyed objects ``objects[start:end]`` given identities, each
         below the one before it (the first below `parent`; one holding no key breaks the
@@ -673,7 +693,8 @@ class DenseCostCore:
         noted in the cache's keys, and counted as churn if it was a recent victim's (it
         leaves the history's recent record). Stops before the first object whose block
         already has a key the cache accounts for, which the cache records itself. Returns
-        (where it stopped, the parent there, identities made, churn)."""
+        (where it stopped, the parent there, identities made, churn). With `loose`, none
+        is below another (`insert_chain`)."""
         keys: list = self.keys
         history: VictimHistory = self.history
         name = self.key_attribute
@@ -690,14 +711,14 @@ class DenseCostCore:
             key = getattr(item, name)
             if key is None:
                 if run:
-                    self.insert_chain(run, depths, parent)
+                    self.insert_chain(run, depths, parent, loose)
                     run, depths = [], []
                 parent = -1
                 continue
             node = item.block_id
             if keys[node] is not None:
                 if run:
-                    self.insert_chain(run, depths, parent)
+                    self.insert_chain(run, depths, parent, loose)
                     parent = run[len(run) - 1]
                 return (i, parent, recorded, churn)
             if history.num_recent and history.take_recent(key):
@@ -709,7 +730,7 @@ class DenseCostCore:
             run.append(node)
             recorded += 1
         if run:
-            self.insert_chain(run, depths, parent)
+            self.insert_chain(run, depths, parent, loose)
         return (end, parent, recorded, churn)
 
     def release_objects(
@@ -1014,6 +1035,89 @@ class DenseCostCore:
             return -1
         self.chosen_serial = self.serial[self.heap[0]]
         return self.heap[0]
+
+    # -- an engine's rules' evicted-first queue (`kvplug.vllm.anchors.BlockNodes`) -------
+    def queue_first(self, node: cython.int, copy: cython.bint) -> None:
+        """Queue `node`'s current identity to be evicted first (`copy`: a full-attention
+        copy, which goes first only while another block holds its key)."""
+        if self.lane_size > self.lane_mask:
+            self._grow_lane()
+        at: cython.Py_ssize_t = (self.lane_head + self.lane_size) & self.lane_mask
+        self.lane_node[at] = node
+        self.lane_serial[at] = self.serial[node]
+        self.lane_copy[at] = copy
+        self.lane_size += 1
+
+    def first_entries(self) -> list[tuple[int, int, bool]]:
+        """The queue's entries, first first: (node, serial at queueing, copy)."""
+        entries = []
+        for i in range(self.lane_size):
+            at = (self.lane_head + i) & self.lane_mask
+            entries.append((self.lane_node[at], self.lane_serial[at], bool(self.lane_copy[at])))
+        return entries
+
+    def next_first(self, still_copy: object) -> int:
+        """Pop entries until one whose identity is live, a candidate and still first (a
+        window: unanchored; a copy: while `still_copy(node)`), and return it (-1: none)."""
+        node: cython.int
+        while self.lane_size:
+            node = self._pop_first(still_copy)
+            if node >= 0:
+                return node
+        return -1
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def take_first(self, n: cython.Py_ssize_t, still_copy: object) -> list:
+        """Up to `n` victims from the queue, first first (as `next_first` finds them), each
+        removed (`remove`) and its key cleared: the cache's objects (see the class doc)."""
+        victims: list = []
+        keys: list = self.keys
+        objects = self.objects
+        node: cython.int
+        while self.lane_size and len(victims) < n:
+            node = self._pop_first(still_copy)
+            if node < 0:
+                continue
+            self.remove(node)
+            keys[node] = None
+            victims.append(node if objects is None else objects[node])
+        return victims
+
+    @cython.cfunc
+    def _pop_first(self, still_copy: object) -> cython.int:
+        """Pop the queue's first entry: its node if it still goes first, else -1."""
+        at: cython.Py_ssize_t = self.lane_head
+        node: cython.int = self.lane_node[at]
+        self.lane_head = (at + 1) & self.lane_mask
+        self.lane_size -= 1
+        if self.serial[node] != self.lane_serial[at]:
+            return -1
+        if not self.evictable[node] or self.children[node] != 0:
+            return -1
+        if self.lane_copy[at]:
+            return node if still_copy(node) else -1
+        return -1 if self.anchored[node] else node
+
+    @cython.cfunc
+    def _grow_lane(self) -> cython.void:
+        size: cython.Py_ssize_t = self.lane_size
+        capacity: cython.Py_ssize_t = 2 * (self.lane_mask + 1)
+        nodes = array("i", [0]) * capacity
+        serials = array("q", [0]) * capacity
+        copies = array("b", [0]) * capacity
+        i: cython.Py_ssize_t
+        at: cython.Py_ssize_t
+        for i in range(size):
+            at = (self.lane_head + i) & self.lane_mask
+            nodes[i] = self.lane_node[at]
+            serials[i] = self.lane_serial[at]
+            copies[i] = self.lane_copy[at]
+        self.lane_node = nodes
+        self.lane_serial = serials
+        self.lane_copy = copies
+        self.lane_head = 0
+        self.lane_mask = capacity - 1
 
     # -- the fresh list: free blocks that hold nothing reusable ---------------------------
     @cython.boundscheck(False)

@@ -51,7 +51,7 @@ class's `check_invariants`):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvplug.core.groups import GroupKind
@@ -75,7 +75,11 @@ class BlockNodes(Protocol):
     """A tracked pool's eviction state by block id, as the hybrid rules read and change
     it: each block's current identity (its serial, -1: none), its tree links and whether
     it is evictable, a candidate (evictable, no cached children) or anchored; releases
-    ranked by the policy or not; and the policy's next victim (-1: none)."""
+    ranked by the policy or not; the policy's next victim (-1: none); and the rules'
+    evicted-first queue, whose entries name a block's identity (its serial at queueing)
+    and whether it is a full-attention copy. `next_first` pops entries until one whose
+    identity is live, a candidate and still first (a window: unanchored; a copy: while
+    `still_copy` says another block holds its key) and returns it (-1: none left)."""
 
     def serial_of(self, node: int) -> int: ...
     def is_evictable(self, node: int) -> bool: ...
@@ -88,6 +92,11 @@ class BlockNodes(Protocol):
     def release_ranked(self, nodes: list[int]) -> None: ...
     def release_unranked(self, nodes: list[int]) -> None: ...
     def next_victim(self) -> int: ...
+
+    # the evicted-first queue: ``(node, serial, copy)`` entries, first in first out
+    def queue_first(self, node: int, copy: bool) -> None: ...
+    def first_entries(self) -> list[tuple[int, int, bool]]: ...
+    def next_first(self, still_copy: Callable[[int], bool]) -> int: ...
 
 
 class HybridRules:
@@ -114,7 +123,7 @@ class HybridRules:
         self._keys = pool._keys  # the pool's, by block id
         self.group_kinds = dict(group_kinds)
         # dependents to evict next: (block id, its serial, the victim's key they depend on)
-        self._retiring: deque[tuple[int, int, Any]] = deque()
+        self.retiring: deque[tuple[int, int, Any]] = deque()
         # sliding-window groups with a known window (blocks a hit needs before it), by
         # group id; with a full-attention group, they turn on the anchor rules
         full = {_suffix(g) for g, kind in self.group_kinds.items() if kind is GroupKind.FULL}
@@ -131,9 +140,9 @@ class HybridRules:
         ]
         self._suffix_windows = [(_suffix(group), window) for group, window in self.windows.items()]
         self._full_suffixes = full if self.windows else set()
-        # released blocks evicted before the policy's choice, in release order (unanchored
-        # sliding-window blocks, full-attention copies): (block id, its serial)
-        self._first: deque[tuple[int, int]] = deque()
+        # released blocks are evicted before the policy's choice, in release order
+        # (unanchored sliding-window blocks, full-attention copies): the nodes' queue
+        self.still_copy = self._still_copy
 
     # -- anchors -----------------------------------------------------------------------
     def anchor(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -209,19 +218,19 @@ class HybridRules:
         if not windowed:
             self.nodes.release_ranked(nodes)
             return
-        keys, full, first = self._keys, self._full_suffixes, self._first
-        serial_of, is_anchored = self.nodes.serial_of, self.nodes.is_anchored
+        keys, full = self._keys, self._full_suffixes
+        queue_first, is_anchored = self.nodes.queue_first, self.nodes.is_anchored
         ranked: list[int] = []
         unranked: list[int] = []  # evicted first, and never ranked
         for node in nodes:
             key = keys[node]
             group = key[-4:]
             if group in windowed and not is_anchored(node):
-                first.append((node, serial_of(node)))
+                queue_first(node, False)
                 unranked.append(node)
                 continue
             if group in full and self._cached_elsewhere(key, node):
-                first.append((node, serial_of(node)))  # a copy: the other one serves
+                queue_first(node, True)  # a copy: the other one serves
             ranked.append(node)
         if ranked:
             self.nodes.release_ranked(ranked)
@@ -233,13 +242,13 @@ class HybridRules:
         (retiring dependents, then the evicted-first queue), without changing anything."""
         nodes = self.nodes
         serial_of, is_candidate, found = nodes.serial_of, nodes.is_candidate, []
-        for node, serial, needed in self._retiring:
+        for node, serial, needed in self.retiring:
             if not self._is_cached(needed) and serial_of(node) == serial and is_candidate(node):
                 found.append(node)
-        for node, serial in self._first:
+        for node, serial, copy in nodes.first_entries():
             if serial_of(node) != serial or not is_candidate(node) or node in found:
                 continue
-            if self._still_first(node):
+            if self._still_copy(node) if copy else not nodes.is_anchored(node):
                 found.append(node)
         return found
 
@@ -249,7 +258,7 @@ class HybridRules:
         dependents queued next), the oldest live entry of the evicted-first queue, else
         the policy's choice (with the blocks it retires queued)."""
         nodes = self.nodes
-        retiring, serial_of, is_candidate = self._retiring, nodes.serial_of, nodes.is_candidate
+        retiring, serial_of, is_candidate = self.retiring, nodes.serial_of, nodes.is_candidate
         while retiring:
             node, serial, needed = retiring.popleft()
             # still dead: the victim's block was not cached again since (vLLM's map keeps
@@ -262,11 +271,9 @@ class HybridRules:
                     retiring.extend(self.dependents(node))
                     self._retire_dead_parent(node)
                 return node
-        first = self._first
-        while first:
-            node, serial = first.popleft()
-            if serial_of(node) == serial and is_candidate(node) and self._still_first(node):
-                return node
+        node = nodes.next_first(self.still_copy)
+        if node >= 0:
+            return node
         victim = nodes.next_victim()
         if victim >= 0:
             retiring.extend(self.dependents(victim))
@@ -274,13 +281,10 @@ class HybridRules:
                 self._retire_dead_parent(victim)
         return victim
 
-    def _still_first(self, node: int) -> bool:
-        """Whether a live, evictable entry of the evicted-first queue still goes first: a
-        full-attention copy while the other copy is cached, a window while unanchored."""
-        key = self._keys[node]
-        if key[-4:] in self._full_suffixes:
-            return self._cached_elsewhere(key, node)  # else the other went first: ranked
-        return not self.nodes.is_anchored(node)
+    def _still_copy(self, node: int) -> bool:
+        """Whether full-attention `node` in the evicted-first queue still goes first: while
+        another block holds its key (else the other went first, and this one is ranked)."""
+        return self._cached_elsewhere(self._keys[node], node)
 
     def dependents(self, victim: int) -> list[tuple[int, int, Any]]:
         """Evictable blocks of other groups at `victim`'s position that serve no junction
@@ -333,7 +337,7 @@ class HybridRules:
             node = nodes.live_parent(node)
         for suffix, window in self._suffix_windows:
             if not all(self._is_cached(position + suffix) for position in hashes[:window]):
-                self._retiring.append((parent, nodes.serial_of(parent), keys[victim]))
+                self.retiring.append((parent, nodes.serial_of(parent), keys[victim]))
                 return
 
     # -- vLLM's hash map, as the pool accounts for it --------------------------------------
@@ -370,8 +374,8 @@ class HybridRules:
     def check_invariants(self) -> None:
         """Raise AssertionError if an unanchored window is evictable but not queued first
         (the pool checks the policy's candidates)."""
-        queued = set(self._first)
         nodes = self.nodes
+        queued = {(node, serial) for node, serial, _ in nodes.first_entries()}
         for node, key in enumerate(self._keys):
             if key is not None and nodes.is_evictable(node) and self.is_unranked(node):
                 assert (node, nodes.serial_of(node)) in queued, (

@@ -45,7 +45,8 @@ Invariants (checked by `check_invariants`):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import count
 from typing import Any, ClassVar
@@ -127,6 +128,7 @@ class RecordNodes(BlockNodes):
     def __init__(self, slots: list[CachedBlock], eviction: EvictionCore[CachedBlock]) -> None:
         self._slots = slots
         self._eviction = eviction
+        self._first: deque[tuple[int, int, bool]] = deque()  # (block id, serial, copy)
 
     def serial_of(self, node: int) -> int:
         return self._slots[node].serial
@@ -165,6 +167,23 @@ class RecordNodes(BlockNodes):
     def next_victim(self) -> int:
         victim = self._eviction.next_victim()
         return -1 if victim is None else victim.block.block_id
+
+    def queue_first(self, node: int, copy: bool) -> None:
+        self._first.append((node, self._slots[node].serial, copy))
+
+    def first_entries(self) -> list[tuple[int, int, bool]]:
+        return list(self._first)
+
+    def next_first(self, still_copy: Callable[[int], bool]) -> int:
+        first, slots = self._first, self._slots
+        while first:
+            node, serial, copy = first.popleft()
+            record = slots[node]
+            if record.serial != serial or not record.evictable or record.cached_children:
+                continue
+            if still_copy(node) if copy else not record.anchored:
+                return node
+        return -1
 
 
 class KVPlugBlockPool(BlockPool):

@@ -203,10 +203,7 @@ class DenseCostPool(KVPlugBlockPool):
         )  # fmt: skip
         rules = self.rules
         if self.tree_groups is not None and kv_cache_group_id not in self.tree_groups:
-            for i in range(num_cached_blocks, num_full_blocks):
-                block = blocks[i]
-                if not block.is_null and block._block_hash is not None:
-                    self._record(block, -1)
+            self._record_chain(blocks, num_cached_blocks, num_full_blocks, -1, loose=True)
         else:
             canonical = rules.canonical if rules is not None and rules.windows else None
             parent = -1
@@ -306,12 +303,19 @@ class DenseCostPool(KVPlugBlockPool):
     def evict_n(self, n: int) -> list[KVCacheBlock]:
         """The dense core's next `n` victims, in order, forgotten and counted (the core
         clears their keys and notes them as recent victims, `on_evicted`'s work); a
-        hybrid model's rules choose them one at a time (`evict_next`)."""
+        hybrid model's rules choose them (`HybridRules.next_victim`), the run of victims
+        their evicted-first queue names in one compiled pass (`DenseCostCore.take_first`)
+        wherever no retiring block comes first."""
         rules = self.rules
-        if rules is not None:  # `evict_next` n times, then `on_evicted`
+        if rules is not None:
             taken: list[KVCacheBlock] = []
-            blocks, keys, remove = self.blocks, self._keys, self.core.remove
-            for _ in range(n):
+            blocks, keys, core = self.blocks, self._keys, self.core
+            remove, retiring, still_copy = core.remove, rules.retiring, rules.still_copy
+            while len(taken) < n:
+                if not retiring:  # the evicted-first queue's turn: in one compiled pass
+                    taken += core.take_first(n - len(taken), still_copy)
+                    if len(taken) == n:
+                        break
                 block_id = rules.next_victim()
                 if block_id < 0:  # unreachable while the child counts are exact
                     block_id = self.free_block_queue.any_cached(taken).block_id
@@ -370,20 +374,23 @@ class DenseCostPool(KVPlugBlockPool):
         return block_id
 
     def _record_chain(  # type: ignore[override]
-        self, blocks: list[KVCacheBlock], start: int, end: int, parent: int
+        self, blocks: list[KVCacheBlock], start: int, end: int, parent: int, loose: bool = False
     ) -> None:
         """`_record` for each block of ``blocks[start:end]`` that holds a hash, each below
         the one before it (the first below `parent`; a block without a hash breaks the
-        chain): the new ones given identities a run at a time by the dense core
-        (`DenseCostCore.record_objects`), a block holding another hash here."""
+        chain), or with `loose` each below none: the new ones given identities a run at a
+        time by the dense core (`DenseCostCore.record_objects`), a block holding another
+        hash here."""
         record_objects, size = self.core.record_objects, self.hash_block_size
         while True:
-            start, parent, recorded, churn = record_objects(blocks, start, end, parent, size)
+            start, parent, recorded, churn = record_objects(blocks, start, end, parent, size, loose)
             self._num_keys += recorded
             self.stats.churn += churn
             if start >= end:
                 return
             parent = self._record(blocks[start], parent)
+            if loose:
+                parent = -1
             start += 1
 
     def forget(self, block: KVCacheBlock) -> None:

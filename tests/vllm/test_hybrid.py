@@ -486,7 +486,9 @@ def test_pool_audit_catches_an_unanchored_window_not_queued_first(ranked_arm):
     arm.finish(0)
     pool = arm.manager.block_pool
     pool.check_invariants()
-    pool.rules._first.clear()  # the unanchored windows would strand (never evicted first)
+    nodes = pool.rules.nodes
+    while nodes.first_entries():  # the unanchored windows would strand (never evicted first)
+        nodes.next_first(lambda node: False)
     with pytest.raises(AssertionError, match="not queued first"):
         pool.check_invariants()
 
@@ -515,7 +517,7 @@ def test_recomputed_full_attention_blocks_stay_leaves_and_go_first(ranked_arm):
     assert nodes.cached_children(firsts[6]) == 2
     pool.check_invariants()
     arm.finish(2)
-    queued = {n for n, serial in pool.rules._first if nodes.serial_of(n) == serial}
+    queued = {n for n, serial, _ in nodes.first_entries() if nodes.serial_of(n) == serial}
     assert all(n in queued for n in copies)
     assert not any(n in queued for n in firsts.values())
     pool.check_invariants()
