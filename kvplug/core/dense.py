@@ -1037,6 +1037,44 @@ class DenseCostCore:
         return self.heap[0]
 
     # -- an engine's rules' evicted-first queue (`kvplug.vllm.anchors.BlockNodes`) -------
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def release_hybrid(
+        self, nodes: list, group_classes: bytes, copy_index: tuple, still_copy: object
+    ) -> None:
+        """Release `nodes` as a hybrid model's rules sort them (`BlockNodes.release_hybrid`):
+        a node's class is its group's in `group_classes` (`_class_of_group`): 1, a window,
+        queued first and released unranked unless anchored; 2, full attention, ranked,
+        and queued first as a copy while `still_copy(node)` (asked only where
+        `copy_index`, ``(index, values)``, says its key may hold copies: `index` has it
+        and, with `values`, its value there is a dict); anything else ranked."""
+        keys: list = self.keys
+        index: dict = copy_index[0]
+        values: cython.bint = copy_index[1]
+        ranked: list = []
+        unranked: list = []
+        i: cython.Py_ssize_t
+        node: cython.int
+        kind: cython.int
+        for i in range(len(nodes)):
+            node = nodes[i]
+            key = keys[node]
+            kind = _class_of_group(key, group_classes)
+            if kind == 1 and not self.anchored[node]:
+                self.queue_first(node, False)
+                unranked.append(node)
+                continue
+            if kind == 2:
+                found = index.get(key)
+                copy = found is not None and (not values or isinstance(found, dict))
+                if copy and still_copy(node):
+                    self.queue_first(node, True)
+            ranked.append(node)
+        if ranked:
+            self._offer(ranked)
+        if unranked:
+            self.release_unranked(unranked)
+
     def queue_first(self, node: cython.int, copy: cython.bint) -> None:
         """Queue `node`'s current identity to be evicted first (`copy`: a full-attention
         copy, which goes first only while another block holds its key)."""
@@ -1270,9 +1308,26 @@ class DenseCostCore:
     def is_anchored(self, node: cython.int) -> bool:
         return bool(self.anchored[node])
 
-    def anchor(self, node: cython.int) -> None:
-        """Mark `node`'s current identity (an engine's rules read it: `is_anchored`)."""
-        self.anchored[node] = 1
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def anchor_blocks(self, objects: list, group_classes: bytes) -> None:
+        """Mark the current identity of each of `objects` (the cache's, with ``block_id``
+        and `key_attribute`) whose key is the one the cache accounts for and whose group
+        (`_group_of`) has class 1 in `group_classes` (an engine's rules read the mark:
+        `is_anchored`)."""
+        keys: list = self.keys
+        name = self.key_attribute
+        node: cython.int
+        for item in objects:
+            key = getattr(item, name)
+            if key is None:
+                continue
+            node = item.block_id
+            held = keys[node]
+            if held is None or (held is not key and held != key):
+                continue
+            if _class_of_group(key, group_classes) == 1:
+                self.anchored[node] = 1
 
     def live_parent(self, node: cython.int) -> int:
         """`node`'s parent if the link is live, else -1."""
@@ -1620,6 +1675,44 @@ def count_keyed(objects: list, name: str) -> int:
         if getattr(item, name) is not None:
             keyed += 1
     return keyed
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def any_copy(
+    objects: list,
+    start: cython.Py_ssize_t,
+    end: cython.Py_ssize_t,
+    name: str,
+    index: dict,
+    values: cython.bint,
+) -> bool:
+    """Whether an engine's map may hold more than one block under the key (attribute
+    `name`) of one of ``objects[start:end]``: `index` has the key and, with `values`, its
+    value there is a dict (`kvplug.vllm.compat.copy_index`)."""
+    i: cython.Py_ssize_t
+    for i in range(start, end):
+        key = getattr(objects[i], name)
+        if key is None:
+            continue
+        found = index.get(key)
+        if found is not None and (not values or isinstance(found, dict)):
+            return True
+    return False
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _class_of_group(key: bytes, group_classes: bytes) -> cython.int:
+    """The class `group_classes` gives the group of an engine's key: vLLM's keys end in
+    their group id, four bytes big-endian (0 for a group past its end)."""
+    length: cython.Py_ssize_t = len(key)
+    group: cython.long = (key[length - 4] & 255) << 24 | (key[length - 3] & 255) << 16
+    group |= (key[length - 2] & 255) << 8 | (key[length - 1] & 255)
+    if group < len(group_classes):
+        return group_classes[group]
+    return 0
 
 
 @cython.cfunc

@@ -55,12 +55,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvplug.core.groups import GroupKind
-from kvplug.vllm.compat import cached_blocks, may_hold_copies
+from kvplug.vllm.compat import cached_blocks, copy_index, may_hold_copies
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     from kvplug.vllm.block_pool import KVPlugBlockPool
+
+# a group's class in the hybrid rules' release (`BlockNodes.release_hybrid`), by group id
+OTHER, WINDOW, FULL = 0, 1, 2
 
 # victims whose position's sliding-window blocks in other groups are retired with them
 RETIRING_KINDS = (GroupKind.FULL, GroupKind.SLIDING_WINDOW)
@@ -75,11 +78,18 @@ class BlockNodes(Protocol):
     """A tracked pool's eviction state by block id, as the hybrid rules read and change
     it: each block's current identity (its serial, -1: none), its tree links and whether
     it is evictable, a candidate (evictable, no cached children) or anchored; releases
-    ranked by the policy or not; the policy's next victim (-1: none); and the rules'
-    evicted-first queue, whose entries name a block's identity (its serial at queueing)
-    and whether it is a full-attention copy. `next_first` pops entries until one whose
-    identity is live, a candidate and still first (a window: unanchored; a copy: while
-    `still_copy` says another block holds its key) and returns it (-1: none left)."""
+    ranked by the policy or not, or as the hybrid rules sort them (`release_hybrid`:
+    a block of a group whose class, ``group_classes[group]``, is `WINDOW` goes first
+    unranked unless anchored; one of a `FULL` group is ranked, and goes first too while
+    `still_copy` says another block holds its key, asked only where `copy_index` (vLLM's
+    map's index of keys that may hold copies: `kvplug.vllm.compat.copy_index`) names the
+    key; any other is ranked); `anchor_blocks` anchors the current identities of those
+    blocks that belong to a `WINDOW` group; the policy's
+    next victim (-1: none); and the rules' evicted-first queue, whose entries name a
+    block's identity (its serial at queueing) and whether it is a full-attention copy.
+    `next_first` pops entries until one whose identity is live, a candidate and still
+    first (a window: unanchored; a copy: while `still_copy` says another block holds its
+    key) and returns it (-1: none left)."""
 
     def serial_of(self, node: int) -> int: ...
     def is_evictable(self, node: int) -> bool: ...
@@ -88,10 +98,18 @@ class BlockNodes(Protocol):
     def cached_children(self, node: int) -> int: ...
     def depth_of(self, node: int) -> int: ...
     def is_anchored(self, node: int) -> bool: ...
-    def anchor(self, node: int) -> None: ...
+    def anchor_blocks(self, blocks: Sequence[KVCacheBlock], group_classes: bytes) -> None: ...
     def release_ranked(self, nodes: list[int]) -> None: ...
     def release_unranked(self, nodes: list[int]) -> None: ...
     def next_victim(self) -> int: ...
+
+    def release_hybrid(
+        self,
+        nodes: list[int],
+        group_classes: bytes,
+        copy_index: tuple[dict[Any, Any], bool],
+        still_copy: Callable[[int], bool],
+    ) -> None: ...
 
     # the evicted-first queue: ``(node, serial, copy)`` entries, first in first out
     def queue_first(self, node: int, copy: bool) -> None: ...
@@ -140,6 +158,14 @@ class HybridRules:
         ]
         self._suffix_windows = [(_suffix(group), window) for group, window in self.windows.items()]
         self._full_suffixes = full if self.windows else set()
+        # each group's class in a release, by group id (`BlockNodes.release_hybrid`)
+        classes = [OTHER] * (max(self.group_kinds, default=0) + 1)
+        for group in self.windows:
+            classes[group] = WINDOW
+        for group, kind in self.group_kinds.items():
+            if kind is GroupKind.FULL and self.windows:
+                classes[group] = FULL
+        self.group_classes = bytes(classes)
         # released blocks are evicted before the policy's choice, in release order
         # (unanchored sliding-window blocks, full-attention copies): the nodes' queue
         self.still_copy = self._still_copy
@@ -149,23 +175,13 @@ class HybridRules:
         """`blocks` (one sliding-window group's) lie in the window before an anchor: a
         position a later request is likely served at. Released, they are ranked by the
         policy; other released sliding-window blocks are evicted first."""
-        keys, anchor = self._keys, self.nodes.anchor
-        for block in blocks:
-            key = keys[block.block_id]
-            if key is not None and key == block._block_hash:
-                anchor(block.block_id)
+        self.nodes.anchor_blocks(blocks, self.group_classes)
 
     def on_touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """A lookup was served with `blocks`: its sliding-window blocks are the window
         before the junction, an anchor."""
-        windowed = self._window_suffixes
-        if not windowed:
-            return
-        keys, anchor = self._keys, self.nodes.anchor
-        for block in blocks:
-            key = keys[block.block_id]
-            if key is not None and key == block._block_hash and key[-4:] in windowed:
-                anchor(block.block_id)
+        if self.windows:
+            self.nodes.anchor_blocks(blocks, self.group_classes)
 
     def on_cached(
         self,
@@ -188,9 +204,11 @@ class HybridRules:
             (request.num_prompt_tokens - 1) // block_size,
             getattr(request, "kvplug_branch", 0) // block_size,
         )
+        anchored: list[KVCacheBlock] = []
         for end in ends:
-            start = max(end - window, num_cached_blocks)
-            self.anchor(blocks[start : min(end, num_full_blocks)])
+            anchored += blocks[max(end - window, num_cached_blocks) : min(end, num_full_blocks)]
+        if anchored:
+            self.nodes.anchor_blocks(anchored, self.group_classes)
 
     def canonical(self, node: int) -> int:
         """The block vLLM's map names first for `node`'s key (vLLM caches duplicates): a
@@ -202,40 +220,17 @@ class HybridRules:
             return node
         return block.block_id
 
-    def holds_copies(self, blocks: Sequence[KVCacheBlock], start: int, end: int) -> bool:
-        """Whether vLLM's map may hold another block under the hash of one of
-        ``blocks[start:end]`` (False: each is its key's only block, its own canonical)."""
-        hash_map = self.pool.cached_block_hash_to_block
-        return any(may_hold_copies(hash_map, blocks[i]._block_hash) for i in range(start, end))
-
     # -- release and eviction ------------------------------------------------------------
     def release_n(self, nodes: list[int]) -> None:
         """Release `nodes` (in order) for hybrid pools: ranked and offered
         (`BlockNodes.release_ranked`), but unanchored sliding-window blocks are queued to
         be evicted first and offered unranked, and full-attention copies are ranked and
         also queued to be evicted first."""
-        windowed = self._window_suffixes
-        if not windowed:
+        if self.windows:
+            copies = copy_index(self.pool.cached_block_hash_to_block)
+            self.nodes.release_hybrid(nodes, self.group_classes, copies, self.still_copy)
+        else:
             self.nodes.release_ranked(nodes)
-            return
-        keys, full = self._keys, self._full_suffixes
-        queue_first, is_anchored = self.nodes.queue_first, self.nodes.is_anchored
-        ranked: list[int] = []
-        unranked: list[int] = []  # evicted first, and never ranked
-        for node in nodes:
-            key = keys[node]
-            group = key[-4:]
-            if group in windowed and not is_anchored(node):
-                queue_first(node, False)
-                unranked.append(node)
-                continue
-            if group in full and self._cached_elsewhere(key, node):
-                queue_first(node, True)  # a copy: the other one serves
-            ranked.append(node)
-        if ranked:
-            self.nodes.release_ranked(ranked)
-        if unranked:
-            self.nodes.release_unranked(unranked)
 
     def queued_first(self) -> list[int]:
         """The blocks `next_victim` takes before the policy's choice as things stand

@@ -59,7 +59,7 @@ from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.core.groups import GroupKind
 from kvplug.policies import make_policy
 from kvplug.policies.base import EvictionPolicy, RankedPolicy
-from kvplug.vllm.anchors import BlockNodes, HybridRules
+from kvplug.vllm.anchors import FULL, OTHER, WINDOW, BlockNodes, HybridRules
 from kvplug.vllm.free_queue import PolicyFreeQueue
 from kvplug.vllm.stats import PoolStats
 
@@ -153,8 +153,15 @@ class RecordNodes(BlockNodes):
     def is_anchored(self, node: int) -> bool:
         return self._slots[node].anchored
 
-    def anchor(self, node: int) -> None:
-        self._slots[node].anchored = True
+    def anchor_blocks(self, blocks: Sequence[KVCacheBlock], group_classes: bytes) -> None:
+        slots = self._slots
+        for block in blocks:
+            record = slots[block.block_id]
+            key = block._block_hash
+            if record.serial >= 0 and key is not None and record.key == key:
+                group = int.from_bytes(key[-4:], "big")
+                if group < len(group_classes) and group_classes[group] == WINDOW:
+                    record.anchored = True
 
     def release_ranked(self, nodes: list[int]) -> None:
         slots = self._slots
@@ -167,6 +174,32 @@ class RecordNodes(BlockNodes):
     def next_victim(self) -> int:
         victim = self._eviction.next_victim()
         return -1 if victim is None else victim.block.block_id
+
+    def release_hybrid(
+        self,
+        nodes: list[int],
+        group_classes: bytes,
+        copy_index: tuple[dict[Any, Any], bool],
+        still_copy: Callable[[int], bool],
+    ) -> None:
+        slots, first = self._slots, self._first
+        ranked: list[CachedBlock] = []
+        unranked: list[CachedBlock] = []  # evicted first, and never ranked
+        for node in nodes:
+            record = slots[node]
+            group = int.from_bytes(record.key[-4:], "big")
+            kind = group_classes[group] if group < len(group_classes) else OTHER
+            if kind == WINDOW and not record.anchored:
+                first.append((node, record.serial, False))
+                unranked.append(record)
+                continue
+            if kind == FULL and still_copy(node):
+                first.append((node, record.serial, True))  # a copy: the other one serves
+            ranked.append(record)
+        if ranked:
+            self._eviction.release_n(ranked)
+        if unranked:
+            self._eviction.release_unranked(unranked)
 
     def queue_first(self, node: int, copy: bool) -> None:
         self._first.append((node, self._slots[node].serial, copy))

@@ -85,6 +85,16 @@ def may_hold_copies(hash_map: Any, key: Any) -> bool:
     return isinstance(hash_map._cache.get(key), dict)
 
 
+def copy_index(hash_map: Any) -> tuple[dict[Any, Any], bool]:
+    """`may_hold_copies` as data, for compiled code: ``(index, values)``, where `hash_map`
+    may hold more than one block under a key only if `index` has the key and, with
+    `values`, its value is a dict."""
+    dup_ids = getattr(hash_map, "_dup_ids", None)
+    if dup_ids is not None:  # 0.34+
+        return dup_ids, False
+    return hash_map._cache, True
+
+
 def cached_items(hash_map: Any) -> Iterator[tuple[Any, list[KVCacheBlock]]]:
     """``(key, blocks)`` for every key of `hash_map`."""
     for key in list(hash_map._cache):
@@ -114,6 +124,7 @@ __all__ = [
     "PUBLIC_HASH_SLOTS",
     "cached_blocks",
     "cached_items",
+    "copy_index",
     "install",
     "may_hold_copies",
     "model_runner_output",

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from kvplug.core.dense import COMPILED, DenseCostCore, DenseLearnedCore, iter_victims
+from kvplug.core.dense import COMPILED, DenseCostCore, DenseLearnedCore, any_copy, iter_victims
 from kvplug.core.groups import GroupKind
 from kvplug.errors import ConfigError
 from kvplug.policies.base import EvictionPolicy
@@ -38,7 +38,7 @@ from kvplug.policies.cost import CostPolicy
 from kvplug.policies.learned import LearnedPolicy
 from kvplug.vllm.anchors import HybridRules
 from kvplug.vllm.block_pool import BlockStanding, KVPlugBlockPool
-from kvplug.vllm.compat import TOUCH_COUNTS_NULL
+from kvplug.vllm.compat import TOUCH_COUNTS_NULL, copy_index
 from kvplug.vllm.free_queue import PolicyFreeQueue
 from kvplug.vllm.stats import PoolStats
 
@@ -211,9 +211,10 @@ class DenseCostPool(KVPlugBlockPool):
                 before = blocks[num_cached_blocks - 1]
                 if self._keys[before.block_id] is not None:
                     parent = before.block_id if canonical is None else canonical(before.block_id)
-            if canonical is None or not rules.holds_copies(
-                blocks, num_cached_blocks, num_full_blocks
-            ):  # (no copy among them: each is its own canonical block)
+            if canonical is None or not any_copy(
+                blocks, num_cached_blocks, num_full_blocks, "_block_hash",
+                *copy_index(self.cached_block_hash_to_block),
+            ):  # (no copy among them: each is its own canonical block)  # fmt: skip
                 self._record_chain(blocks, num_cached_blocks, num_full_blocks, parent)
             else:
                 for i in range(num_cached_blocks, num_full_blocks):
