@@ -189,6 +189,12 @@ class VictimHistory:
     def __setitem__(self, key: object, value: object) -> None:
         self.file(key, -1, True)
 
+    def file_recent(self, objects: list, name: str) -> None:
+        """``self[key] = None`` for the key (attribute `name`) of each of `objects`, in
+        order: a run of victims noted as recent in one pass."""
+        for item in objects:
+            self.file(getattr(item, name), -1, True)
+
     def pop(self, key: object, default: object = None) -> object:
         """None if `key` was a recent victim's (it leaves), else `default`: `dict.pop`
         for a record whose values are None."""
@@ -459,7 +465,7 @@ class DenseCostCore:
     credit: cython.int[:]
     ranked: cython.char[:]
     unranked: cython.char[:]  # evictable, but not the policy's (`release_unranked`)
-    anchored: cython.char[:]  # a mark an engine's rules set per identity (`anchor`)
+    anchored: cython.char[:]  # a mark an engine's rules set per identity (`anchor_blocks`)
     rank: cython.double[:]
     order: cython.longlong[:]
     since: cython.longlong[:]  # when it last became evictable, in evictions' count
@@ -1077,9 +1083,13 @@ class DenseCostCore:
 
     def queue_first(self, node: cython.int, copy: cython.bint) -> None:
         """Queue `node`'s current identity to be evicted first (`copy`: a full-attention
-        copy, which goes first only while another block holds its key)."""
+        copy, which goes first only while another block holds its key). A full queue
+        first drops the entries that can never go first (another identity's, an anchored
+        window's), so it stays within a few times the blocks."""
         if self.lane_size > self.lane_mask:
-            self._grow_lane()
+            self._compact_lane()
+            if 4 * self.lane_size > 3 * (self.lane_mask + 1):
+                self._grow_lane()
         at: cython.Py_ssize_t = (self.lane_head + self.lane_size) & self.lane_mask
         self.lane_node[at] = node
         self.lane_serial[at] = self.serial[node]
@@ -1136,6 +1146,27 @@ class DenseCostCore:
         if self.lane_copy[at]:
             return node if still_copy(node) else -1
         return -1 if self.anchored[node] else node
+
+    @cython.cfunc
+    def _compact_lane(self) -> cython.void:
+        kept: cython.Py_ssize_t = 0
+        i: cython.Py_ssize_t
+        at: cython.Py_ssize_t
+        to: cython.Py_ssize_t
+        node: cython.int
+        for i in range(self.lane_size):
+            at = (self.lane_head + i) & self.lane_mask
+            node = self.lane_node[at]
+            if self.serial[node] != self.lane_serial[at]:
+                continue
+            if not self.lane_copy[at] and self.anchored[node]:
+                continue
+            to = (self.lane_head + kept) & self.lane_mask
+            self.lane_node[to] = node
+            self.lane_serial[to] = self.lane_serial[at]
+            self.lane_copy[to] = self.lane_copy[at]
+            kept += 1
+        self.lane_size = kept
 
     @cython.cfunc
     def _grow_lane(self) -> cython.void:

@@ -202,7 +202,16 @@ class RecordNodes(BlockNodes):
             self._eviction.release_unranked(unranked)
 
     def queue_first(self, node: int, copy: bool) -> None:
-        self._first.append((node, self._slots[node].serial, copy))
+        first, slots = self._first, self._slots
+        if len(first) > 2 * len(slots) + 64:  # drop what can never go first, as the dense core
+            kept = [
+                (n, serial, c)
+                for n, serial, c in first
+                if slots[n].serial == serial and (c or not slots[n].anchored)
+            ]
+            first.clear()
+            first.extend(kept)
+        first.append((node, slots[node].serial, copy))
 
     def first_entries(self) -> list[tuple[int, int, bool]]:
         return list(self._first)
@@ -653,9 +662,7 @@ class KVPlugBlockPool(BlockPool):
         them (`evict_next` did), count them and remember their hashes, for churn (the
         record keeps the latest `num_gpu_blocks` itself)."""
         self.stats.evictions += len(blocks)
-        evicted = self._evicted
-        for block in blocks:
-            evicted[block._block_hash] = None
+        self._evicted.file_recent(blocks, "_block_hash")
 
     # -- helpers ---------------------------------------------------------------------------
     def _adopt(self, block: KVCacheBlock, key: Any) -> None:

@@ -227,3 +227,47 @@ def test_the_dense_core_decides_as_the_generic_core(name, ops, tier_pricing):
                 )
                 if generic.policy.has_rank(record):
                     assert core.entry(block_id)[0] == generic.policy.rank_of(record)
+
+
+@pytest.mark.parametrize("core_class", [kvplug.core.dense.DenseCostCore, PLAIN.DenseCostCore])
+def test_the_evicted_first_queue_keeps_order_and_drops_only_what_cannot_go_first(core_class):
+    """An engine's rules' evicted-first queue (`queue_first`, `next_first`): entries come
+    out first in first out, an entry is skipped once its identity ended, an anchored
+    window's and a copy's that `still_copy` turns down; a full queue drops only entries
+    that could never come out (other identities', anchored windows'), so a block queued
+    over and over does not grow it."""
+    size = 8
+    keys: list = [None] * size
+    core = core_class(make_policy("cost"), size, keys)
+    for node in range(size):
+        keys[node] = b"%08d" % node + (0).to_bytes(4, "big")  # vLLM's layout: group 0 last
+    core.insert_chain(list(range(size)), [0] * size, -1, True)  # loose: no parents
+    core.release_unranked([0, 1, 2, 3])
+    core.release_n([4, 5], [0, 0], False, 0)
+    for node in (0, 1, 2, 3):
+        core.queue_first(node, False)
+    core.queue_first(4, True)
+    core.queue_first(5, True)
+    assert [entry[0] for entry in core.first_entries()] == [0, 1, 2, 3, 4, 5]
+    assert core.next_first(lambda node: True) == 0
+    core.remove(1)  # its identity ends: its entry is skipped
+    assert core.next_first(lambda node: node != 4) == 2
+    assert core.next_first(lambda node: node != 4) == 3
+    assert core.next_first(lambda node: node != 4) == 5  # 4 is no copy any more
+    assert core.next_first(lambda node: True) == -1
+    core.check_invariants()
+    # block 6, an anchored window, queued far more often than the ring holds
+    core.release_unranked([6])
+
+    class Block:
+        block_id = 6
+        key = keys[6]
+
+    core.anchor_blocks([Block()], bytes([1]))  # group 0 is a window's: 6 is anchored
+    assert core.is_anchored(6)
+    for _ in range(1000):
+        core.queue_first(6, False)
+    assert core.lane_size <= 64  # compacted, never grown
+    assert core.next_first(lambda node: True) == -1
+    core.queue_first(7, False)  # not evictable: skipped
+    assert core.next_first(lambda node: True) == -1
