@@ -7,9 +7,11 @@ decisions the record-based pool makes with `cost` and with `learned`
 (`kvplug.core.dense.DenseLearnedCore`): the same victims, in the same order, and the same
 learning (a differential test runs both on the same operations). It serves them wherever
 the record pool would: a model with a sliding-window group runs the same hybrid rules
-(`kvplug.vllm.anchors.HybridRules`) over the dense core, which is their `BlockNodes`;
-then a release and an eviction go through the rules, in Python, and only the policy's
-own work is compiled.
+(`kvplug.vllm.anchors.HybridRules`) over the dense core, which is their `BlockNodes`.
+The rules' per-block bookkeeping is then compiled too (a release sorted into ranked and
+evicted-first blocks, the evicted-first queue drained, windows anchored); what stays in
+Python is where they read vLLM's hash map (a victim retiring other groups' blocks, the
+test whether a full-attention copy's twin is still cached).
 
 `pool_class` builds it for those policies when the dense core is compiled (it is
 built as a C extension at install where a compiler is present). ``KVPLUG_DENSE_CORE``
@@ -155,12 +157,10 @@ class DenseCostPool(KVPlugBlockPool):
             and not self.metrics_collector
             and not self.free_block_queue._first_entry
         ):
-            hit = self.core.touch_objects(
-                blocks if isinstance(blocks, list) else list(blocks), TOUCH_COUNTS_NULL
-            )
-            self.stats.block_hits += hit
+            objects = blocks if isinstance(blocks, list) else list(blocks)
+            self.stats.block_hits += self.core.touch_objects(objects, TOUCH_COUNTS_NULL)
             if self.rules is not None:
-                self.rules.on_touch(blocks)
+                self.rules.on_touch(objects)
             return
         if not self.touch_counts_hits:
             for block in blocks:
