@@ -1679,21 +1679,38 @@ def count_new_keys(
     end: cython.Py_ssize_t,
     name: str,
     recent: VictimHistory,
+    before: list | None = None,
 ) -> tuple[int, int]:
     """Of ``objects[start:end]``, just given keys (attribute `name`; None: none): how many
     hold one, and how many of those keys were recent victims (each leaves `recent`, the
-    cache's record of recent victims: a re-cache, churn). One compiled pass for an engine
-    pool that keeps no identities (vLLM's own queue under ``lru``)."""
+    cache's record of recent victims: a re-cache, churn). With `before` (their keys before,
+    parallel), only a key that changed counts as given, and as held only where there was
+    none before. One compiled pass for an engine pool that keeps no identities (vLLM's
+    own queue under ``lru``)."""
     keyed: cython.Py_ssize_t = 0
     again: cython.Py_ssize_t = 0
     i: cython.Py_ssize_t
     for i in range(start, end):
         key = getattr(objects[i], name)
-        if key is not None:
-            keyed += 1
-            if recent.num_recent and recent.take_recent(key):
-                again += 1
+        if key is None:
+            continue
+        if before is not None:
+            old = before[i - start]
+            if old is key or old == key:
+                continue
+            if old is not None:
+                keyed -= 1  # (counted below: it held one already)
+        keyed += 1
+        if recent.num_recent and recent.take_recent(key):
+            again += 1
     return (keyed, again)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def keys_of(objects: list, start: cython.Py_ssize_t, end: cython.Py_ssize_t, name: str) -> list:
+    """The key (attribute `name`) of each of ``objects[start:end]``, in one pass."""
+    return [getattr(objects[i], name) for i in range(start, end)]
 
 
 @cython.boundscheck(False)

@@ -54,7 +54,7 @@ from typing import Any, ClassVar
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
-from kvplug.core.dense import VictimHistory, count_keyed, count_new_keys
+from kvplug.core.dense import VictimHistory, count_keyed, count_new_keys, keys_of
 from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.core.groups import GroupKind
 from kvplug.policies import make_policy
@@ -815,28 +815,17 @@ class ReleaseOrderPool(KVPlugBlockPool):
         no hash yet, so no before-state is needed."""
         if num_cached_blocks >= num_full_blocks:  # vLLM's own no-op, made per request
             return
-        new = blocks[num_cached_blocks:num_full_blocks] if self._partial_entries else []
-        before = [b._block_hash for b in new] if self._partial_entries else None
+        before = None
+        if self._partial_entries:
+            before = keys_of(blocks, num_cached_blocks, num_full_blocks, "_block_hash")
         BlockPool.cache_full_blocks(
             self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
             kv_cache_group_id, block_mask,
         )  # fmt: skip
-        evicted = self._evicted
-        if before is None:
-            # a key popped from the recent victims is cached again after an eviction
-            cached, churn = count_new_keys(
-                blocks, num_cached_blocks, num_full_blocks, "_block_hash", evicted
-            )
-            self._num_keys += cached
-            self.stats.churn += churn
-            return
-        cached = churn = 0
-        for block, old in zip(new, before, strict=True):
-            key = block._block_hash
-            if key is not None and key != old:
-                cached += old is None
-                if evicted.pop(key, 0) is None:
-                    churn += 1
+        # a key popped from the recent victims is cached again after an eviction
+        cached, churn = count_new_keys(
+            blocks, num_cached_blocks, num_full_blocks, "_block_hash", self._evicted, before
+        )
         self._num_keys += cached
         self.stats.churn += churn
 

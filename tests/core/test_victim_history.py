@@ -123,3 +123,27 @@ def test_the_ring_grows_and_compacts_with_its_records(module):
             assert history.take_ghost(b"g%d" % (i - 1)) in (-1, i - 1)
     history.check()
     assert history.num_ghosts <= 1000
+
+
+@pytest.mark.parametrize("module", MODULES, ids=["built", "plain"])
+def test_new_keys_are_counted_against_the_keys_before(module):
+    """`count_new_keys` counts the blocks just given a key and, of those keys, the recent
+    victims' (which leave the record); with the keys before (a block may hold a partial
+    key already), only a changed key counts, and as a newly held one only where there
+    was none."""
+
+    class Block:
+        def __init__(self, key: object) -> None:
+            self.key = key
+
+    history = module.VictimHistory(0, 8)
+    history[b"a"] = None
+    history[b"c"] = None
+    blocks = [Block(b"x"), Block(b"a"), Block(None), Block(b"c"), Block(b"d")]
+    before = module.keys_of(blocks, 1, 5, "key")
+    assert before == [b"a", None, b"c", b"d"]
+    before = [None, None, b"old", b"d"]  # as the blocks held them before
+    assert module.count_new_keys(blocks, 1, 5, "key", history, before) == (1, 2)
+    assert b"a" not in history and b"c" not in history
+    history[b"a"] = None
+    assert module.count_new_keys(blocks, 0, 2, "key", history) == (2, 1)

@@ -161,6 +161,53 @@ def test_untracked_lru_counts_what_tracked_lru_counts(capacity, prefixes, ops):
         assert pool_of(fast).num_cached_blocks() == pool_of(tracked).num_cached_blocks()
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    pages=st.integers(16, 60),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["admit", "admit", "grow", "finish"]),
+            st.integers(0, 3),
+            st.integers(1, 8),
+        ),
+        min_size=5,
+        max_size=30,
+    ),
+)
+def test_untracked_lru_counts_what_tracked_lru_counts_on_a_mamba_model(pages, ops):
+    """The same on the Mamba preset, where vLLM registers partial entries (a Mamba
+    state's hash for part of a block) and the untracked pool counts a newly cached block
+    by comparing its hash before and after."""
+    from kvplug.hybrid.spec import HYBRID_PRESETS
+    from kvplug.replay.arms.vllm_hybrid import VLLMHybridArm
+
+    spec = HYBRID_PRESETS["nemotron-h-like"]
+    capacity = pages * spec.page_bytes(512)
+    fast = VLLMHybridArm(spec, capacity, 512, make_policy("lru"))
+    tracked = VLLMHybridArm(spec, capacity, 512, TrackedLRU())
+    assert not pool_of(fast).tracked and pool_of(tracked).tracked
+    fresh = count(F)
+    running: list[int] = []
+    for req_id, (op, family, length) in enumerate(ops):
+        if op == "admit" or not running:
+            prompt = [family * 100 + i for i in range(length)] + [next(fresh)]
+            got = [arm.admit(req_id, prompt, length) for arm in (fast, tracked)]
+            assert got[0] == got[1]
+            if got[0] is not None:
+                running.append(req_id)
+        elif op == "grow":
+            unit = next(fresh)
+            target = running[family % len(running)]
+            assert fast.grow(target, [unit]) == tracked.grow(target, [unit])
+        else:
+            target = running.pop(family % len(running))
+            fast.finish(target)
+            tracked.finish(target)
+        pool_of(fast).check_invariants()
+        assert pool_of(fast).stats == pool_of(tracked).stats
+        assert pool_of(fast).num_cached_blocks() == pool_of(tracked).num_cached_blocks()
+
+
 def blocks_of(arm: VLLMStockArm, req_id: int) -> list[int]:
     return list(arm.manager.get_block_ids(str(req_id))[0])
 
