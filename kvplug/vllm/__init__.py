@@ -19,9 +19,9 @@ blocks at its position with it, since no junction can use them any more.
 |---|---|
 | `scheduler` | the `Scheduler` factory, kvplug's config, the namespace salt, statistics |
 | `kv_cache_manager` | the one construction site: vLLM's manager over kvplug's pool; group kinds |
-| `block_pool` | `KVPlugBlockPool`, `ReleaseOrderPool` (lru), `pool_class`, `CachedBlock` |
+| `block_pool` | `KVPlugBlockPool`, `ReleaseOrderPool` (lru), `pool_class`, `RecordNodes` |
 | `dense_pool` | `DenseCostPool`: `cost` and `learned` over the dense core, the same decisions |
-| `anchors` | `HybridRules`: a hybrid pool's cross-group retiring and anchored windows |
+| `anchors` | `HybridRules`: cross-group retiring, anchored windows, over a pool's `BlockNodes` |
 | `free_queue` | `PolicyFreeQueue`: vLLM's free-queue interface; its walk is the eviction order |
 | `offload_policy` | `KVPlugCachePolicy`: kvplug's decision in vLLM's CPU offload tier |
 | `compat` | everything that differs between the vLLM releases supported (0.32 to 0.34) |
