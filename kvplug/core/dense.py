@@ -667,16 +667,8 @@ class DenseCostCore:
         ranked and, if it has no cached children, offered. With `from_ends` (a list
         parallel to `nodes`), each learns its releasing request first: its ``from_end``,
         `request_hit` and `output` tokens; with None, it keeps what it knew."""
-        n: cython.Py_ssize_t = len(nodes)
-        i: cython.Py_ssize_t
-        node: cython.int
         if from_ends is not None:
-            ends: list = from_ends
-            for i in range(n):
-                node = nodes[i]
-                self.from_end[node] = ends[i]
-                self.request_hit[node] = request_hit
-                self.request_output[node] = output
+            self.note_release(nodes, from_ends, request_hit, output)
         self._offer(nodes)
 
     @cython.boundscheck(False)

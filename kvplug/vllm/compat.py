@@ -76,23 +76,22 @@ def cached_blocks(hash_map: Any, key: Any) -> list[KVCacheBlock]:
     return list(found.values()) if isinstance(found, dict) else [found]
 
 
-def may_hold_copies(hash_map: Any, key: Any) -> bool:
-    """Whether `hash_map` may hold more than one block under `key` (one dict lookup; False
-    is exact: it holds at most one)."""
-    dup_ids = getattr(hash_map, "_dup_ids", None)
-    if dup_ids is not None:  # 0.34+
-        return key in dup_ids
-    return isinstance(hash_map._cache.get(key), dict)
-
-
 def copy_index(hash_map: Any) -> tuple[dict[Any, Any], bool]:
-    """`may_hold_copies` as data, for compiled code: ``(index, values)``, where `hash_map`
-    may hold more than one block under a key only if `index` has the key and, with
+    """Where `hash_map` may hold copies, as data compiled code reads: ``(index, values)``;
+    it may hold more than one block under a key only if `index` has the key and, with
     `values`, its value is a dict."""
     dup_ids = getattr(hash_map, "_dup_ids", None)
     if dup_ids is not None:  # 0.34+
         return dup_ids, False
     return hash_map._cache, True
+
+
+def may_hold_copies(hash_map: Any, key: Any) -> bool:
+    """Whether `hash_map` may hold more than one block under `key` (one dict lookup; False
+    is exact: it holds at most one)."""
+    index, values = copy_index(hash_map)
+    found = index.get(key)
+    return found is not None and (not values or isinstance(found, dict))
 
 
 def cached_items(hash_map: Any) -> Iterator[tuple[Any, list[KVCacheBlock]]]:
