@@ -44,7 +44,7 @@ import gc
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
@@ -57,6 +57,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request, RequestStatus
 
 import kvplug
+from kvplug.bench.told_pool import make_told, record_handouts
 from kvplug.bench.vllm_step import GCTimer, _percentile_ms
 from kvplug.core.groups import GroupKind
 from kvplug.core.model_spec import load_model
@@ -73,6 +74,7 @@ from kvplug.replay.trace import Trace
 from kvplug.vllm.block_pool import KVPlugBlockPool
 
 STOCK = "stock"
+TOLD = "told:"  # prefix of an arm replaying a policy's handouts in vLLM's own pool
 FULL = "full"  # one full-attention group, as the replay's `VLLMStockArm`
 TARGETS = {"lru": 1.10, "cost": 1.25}  # the issue's bounds on time per request / stock's
 
@@ -220,14 +222,22 @@ class ManagerArm:
     policy `name`, driven one request at a time."""
 
     def __init__(
-        self, name: str, spec: HybridSpec | None, num_blocks: int, block_tokens: int
+        self,
+        name: str,
+        spec: HybridSpec | None,
+        num_blocks: int,
+        block_tokens: int,
+        handouts: list[list[int]] | None = None,
     ) -> None:
         self.name = name
         self.block_tokens = block_tokens
-        policy = None if name == STOCK else arm_policy(name, block_tokens)
+        stock = name == STOCK or handouts is not None
+        policy = None if stock else arm_policy(name, block_tokens)
         config = kv_cache_config(spec, num_blocks, block_tokens)
         self.manager = build_manager(config, policy, kv_events=False)
         self.pool = self.manager.block_pool
+        if handouts is not None:  # stock's pool, told the recorded blocks (`told_pool`)
+            make_told(self.pool, handouts)
         kinds = [group.kind for group in spec.groups] if spec else [GroupKind.FULL]
         self.attention_groups = sum(kind is not GroupKind.MAMBA for kind in kinds)
         self.mamba_groups = len(kinds) - self.attention_groups
@@ -333,15 +343,29 @@ def bench_size(
     policies: list[str],
     rounds: int,
     arms_out: list[ManagerArm] | None = None,
+    told: Sequence[str] = (),
 ) -> list[ManagerResult]:
     """Every arm through `jobs` at `fraction` of the trace's distinct blocks: the requests
-    that fill the stock pool untimed, the rest timed in `rounds` interleaved segments."""
+    that fill the stock pool untimed, the rest timed in `rounds` interleaved segments.
+    Each policy in `told` adds an arm ``told:POLICY``: vLLM's own pool handed out the
+    blocks a first, untimed run of the policy's pool handed out (`kvplug.bench.told_pool`),
+    checked to get the same hits."""
     num_blocks = pool_blocks(spec, trace, fraction)
-    arms = [ManagerArm(name, spec, num_blocks, trace.block_tokens) for name in [STOCK, *policies]]
+    block_tokens = trace.block_tokens
+    arms = [ManagerArm(name, spec, num_blocks, block_tokens) for name in [STOCK, *policies]]
+    recorded: dict[str, list[int]] = {}  # a told arm's name: the recorded run's hits
     gc.collect()
     gc.freeze()  # as vLLM's engine core does once its scheduler is built
     try:
         warmup = warmup_requests(arms[0], jobs, limit=len(jobs) - rounds)
+        for name in told:
+            recorder = ManagerArm(name, spec, num_blocks, block_tokens)
+            handouts = record_handouts(recorder.pool)
+            for job in jobs:
+                recorder.run(job)
+            recorded[f"{TOLD}{name}"] = recorder.hits
+            del recorder
+            arms.append(ManagerArm(f"{TOLD}{name}", spec, num_blocks, block_tokens, handouts))
         for arm in arms[1:]:
             for job in jobs[:warmup]:
                 arm.run(job)
@@ -361,6 +385,9 @@ def bench_size(
                     )
     finally:
         gc.unfreeze()
+    for arm in arms:
+        if arm.name in recorded and recorded[arm.name] != arm.hits:
+            raise KVPlugError(f"{arm.name}: vLLM's pool told the same blocks got other hits")
     results = []
     for arm in arms:
         result = _result(arm, model, fraction, num_blocks, warmup)
@@ -430,10 +457,14 @@ def bench_vllm_manager(
     policies: list[str],
     rounds: int = 10,
     progress: Callable[[str], None] | None = None,
+    told: Sequence[str] = (),
 ) -> list[ManagerResult]:
-    """`bench_size` for each model and capacity fraction, on the same requests."""
+    """`bench_size` for each model and capacity fraction, on the same requests (with a
+    ``told:POLICY`` arm for each policy in `told`)."""
     for _, spec in models:
         check_policies(policies, hybrid=spec is not None)
+        if told:
+            check_policies(list(told), hybrid=spec is not None)
     if not 1 <= rounds < len(trace.requests):
         raise ConfigError(f"rounds must be in [1, {len(trace.requests) - 1}], got {rounds}")
     jobs = make_jobs(trace, load_model(None))  # units and decode steps; FLOPs are unused
@@ -441,8 +472,11 @@ def bench_vllm_manager(
     for model, spec in models:
         for fraction in fractions:
             if progress is not None:
-                progress(f"{model} at {fraction:g}: stock, {', '.join(policies)}")
-            results += bench_size(model, spec, trace, jobs, fraction, policies, rounds)
+                arms = [*policies, *(f"{TOLD}{name}" for name in told)]
+                progress(f"{model} at {fraction:g}: stock, {', '.join(arms)}")
+            results += bench_size(
+                model, spec, trace, jobs, fraction, policies, rounds, told=told
+            )  # fmt: skip
             gc.collect()
     return results
 
@@ -465,8 +499,9 @@ def report(results: list[ManagerResult], trace: Trace, rounds: int) -> dict[str,
 
 
 def format_table(results: list[ManagerResult]) -> str:
+    width = max([5, *(len(r.arm) for r in results)])
     header = (
-        f"{'model':<15} {'frac':>5} {'blocks':>7} {'arm':<5} {'p50 us':>8} {'ratio':>6} "
+        f"{'model':<15} {'frac':>5} {'blocks':>7} {'arm':<{width}} {'p50 us':>8} {'ratio':>6} "
         f"{'target':>7} {'rounds':>10} {'p99 us':>8} {'ratio':>6} {'total ms':>9} {'ratio':>6} "
         f"{'cpu':>6} {'gc %':>5} {'lookup':>7} {'prefill':>7} {'decode':>7} {'free':>7} "
         f"{'hit %':>6} {'evicted':>8}"
@@ -478,7 +513,7 @@ def format_table(results: list[ManagerResult]) -> str:
         target = "-" if r.target is None else f"<={r.target:.2f}x"
         evictions = "-" if r.evictions is None else f"{r.evictions:,}"
         lines.append(
-            f"{r.model:<15} {r.fraction:>5g} {r.num_blocks:>7,} {r.arm:<5} {r.p50_us:>8.1f} "
+            f"{r.model:<15} {r.fraction:>5g} {r.num_blocks:>7,} {r.arm:<{width}} {r.p50_us:>8.1f} "
             f"{r.ratio:>5.2f}x {target:>7} {span:>10} {r.p99_us:>8.1f} {r.p99_ratio:>5.2f}x "
             f"{r.total_ms:>9.1f} {r.total_ratio:>5.2f}x {r.cpu_ratio:>5.2f}x "
             f"{100 * r.gc_share:>5.1f} {r.lookup_ms:>7.1f} {r.prefill_ms:>7.1f} "

@@ -205,6 +205,13 @@ def vllm_step(
 )
 @click.option("--policies", default="lru,cost", show_default=True, help="kvplug arms.")
 @click.option(
+    "--told",
+    default="",
+    help="Also an arm told:POLICY for each of these policies: vLLM's own pool handing out "
+    "the blocks the policy's pool handed out in a first run (a floor for any pool making "
+    "its decisions).",
+)
+@click.option(
     "--capacity-fractions",
     default="0.05,0.25",
     show_default=True,
@@ -225,6 +232,7 @@ def vllm_manager(
     requests: int,
     models: str,
     policies: str,
+    told: str,
     capacity_fractions: str,
     rounds: int,
     json_path: str | None,
@@ -253,11 +261,14 @@ def vllm_manager(
         fractions = mb.parse_fractions(capacity_fractions)
     except KVPlugError as exc:
         raise click.BadParameter(str(exc), param_hint="--capacity-fractions") from None
-    try:
-        for _, spec in model_list:
-            mb.check_policies(names, hybrid=spec is not None)
-    except KVPlugError as exc:
-        raise click.BadParameter(str(exc), param_hint="--policies") from None
+    told_names = [name.strip() for name in told.split(",") if name.strip()]
+    for hint, listed in (("--policies", names), ("--told", told_names)):
+        try:
+            for _, spec in model_list:
+                if listed or hint == "--policies":
+                    mb.check_policies(listed, hybrid=spec is not None)
+        except KVPlugError as exc:
+            raise click.BadParameter(str(exc), param_hint=hint) from None
     if requests < 0:
         raise click.BadParameter("expected 0 (all) or a positive count", param_hint="--requests")
     try:
@@ -271,6 +282,7 @@ def vllm_manager(
             names,
             rounds=rounds,
             progress=lambda line: click.echo(line, err=True),
+            told=told_names,
         )
     except KVPlugError as exc:
         raise click.ClickException(str(exc)) from None

@@ -595,6 +595,14 @@ class DenseCostCore:
         with `loose`, each below none (a group whose blocks need no blocks before them).
         A key back from the ghost history closes its trial as reused and gives the block
         its reuses back."""
+        self._insert_chain(nodes, depths, parent, loose)
+
+    @cython.cfunc
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def _insert_chain(
+        self, nodes: list, depths: list, parent: cython.int, loose: cython.bint
+    ) -> cython.void:
         n: cython.Py_ssize_t = len(nodes)
         if n == 0:
             return
@@ -709,14 +717,14 @@ class DenseCostCore:
             key = getattr(item, name)
             if key is None:
                 if run:
-                    self.insert_chain(run, depths, parent, loose)
+                    self._insert_chain(run, depths, parent, loose)
                     run, depths = [], []
                 parent = -1
                 continue
             node = item.block_id
             if keys[node] is not None:
                 if run:
-                    self.insert_chain(run, depths, parent, loose)
+                    self._insert_chain(run, depths, parent, loose)
                     parent = run[len(run) - 1]
                 return (i, parent, recorded, churn)
             if history.num_recent and history.take_recent(key):
@@ -728,7 +736,7 @@ class DenseCostCore:
             run.append(node)
             recorded += 1
         if run:
-            self.insert_chain(run, depths, parent, loose)
+            self._insert_chain(run, depths, parent, loose)
         return (end, parent, recorded, churn)
 
     def release_objects(
@@ -839,6 +847,10 @@ class DenseCostCore:
         """Nothing holds `nodes` (blocks without cached children) any more, and the
         engine's rules evict them themselves, ahead of the policy's choice: evictable,
         but neither ranked nor candidates (so the policy learns nothing from them)."""
+        self._release_unranked(nodes)
+
+    @cython.cfunc
+    def _release_unranked(self, nodes: list) -> cython.void:
         node: cython.int
         for node in nodes:
             self.evictable[node] = 1
@@ -961,6 +973,10 @@ class DenseCostCore:
         """`node` left the cache other than as the policy's victim (invalidated, or its
         engine dropped its key): it leaves the tree, and its key goes to the ghost
         history if its trial is open. Its identity ends."""
+        self._remove(node)
+
+    @cython.cfunc
+    def _remove(self, node: cython.int) -> cython.void:
         if self.evictable[node]:
             self.evictable[node] = 0
             self.unranked[node] = 0
@@ -1035,20 +1051,38 @@ class DenseCostCore:
         return self.heap[0]
 
     # -- an engine's rules' evicted-first queue (`kvplug.vllm.anchors.BlockNodes`) -------
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
-    def release_hybrid(
-        self, nodes: list, group_classes: bytes, copy_index: tuple, still_copy: object
-    ) -> None:
+    def release_hybrid(self, nodes: list, group_classes: bytes, copies: tuple) -> None:
         """Release `nodes` as a hybrid model's rules sort them (`BlockNodes.release_hybrid`):
         a node's class is its group's in `group_classes` (`_class_of_group`): 1, a window,
         queued first and released unranked unless anchored; 2, full attention, ranked,
-        and queued first as a copy while `still_copy(node)` (asked only where
-        `copy_index`, ``(index, values)``, says its key may hold copies: `index` has it
-        and, with `values`, its value there is a dict); anything else ranked."""
+        and queued first as a copy while another block holds its key in the engine's map
+        (`held_by_another`, with `copies` its copy index); anything else ranked."""
+        self._release_hybrid(nodes, group_classes, copies)
+
+    def release_hybrid_objects(
+        self,
+        objects: list,
+        request_hit: cython.bint,
+        output: cython.longlong,
+        group_classes: bytes,
+        copies: tuple,
+    ) -> list:
+        """`collect_objects` and `release_hybrid` of the block ids it collects, in one
+        call: a hybrid model's release of a request's freed objects; returns the objects
+        `collect_objects` returns, for the cache to handle in order, after these."""
+        nodes: list = []
+        odd: list = self._collect(objects, request_hit, output, nodes)
+        if nodes:
+            self._release_hybrid(nodes, group_classes, copies)
+        return odd
+
+    @cython.cfunc
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def _release_hybrid(self, nodes: list, group_classes: bytes, copies: tuple) -> cython.void:
         keys: list = self.keys
-        index: dict = copy_index[0]
-        values: cython.bint = copy_index[1]
+        index: dict = copies[0]
+        values: cython.bint = copies[1]
         ranked: list = []
         unranked: list = []
         i: cython.Py_ssize_t
@@ -1059,25 +1093,26 @@ class DenseCostCore:
             key = keys[node]
             kind = _class_of_group(key, group_classes)
             if kind == 1 and not self.anchored[node]:
-                self.queue_first(node, False)
+                self._queue_first(node, False)
                 unranked.append(node)
                 continue
-            if kind == 2:
-                found = index.get(key)
-                copy = found is not None and (not values or isinstance(found, dict))
-                if copy and still_copy(node):
-                    self.queue_first(node, True)
+            if kind == 2 and _held_by_another(index, values, keys, key, node):
+                self._queue_first(node, True)
             ranked.append(node)
         if ranked:
             self._offer(ranked)
         if unranked:
-            self.release_unranked(unranked)
+            self._release_unranked(unranked)
 
     def queue_first(self, node: cython.int, copy: cython.bint) -> None:
         """Queue `node`'s current identity to be evicted first (`copy`: a full-attention
         copy, which goes first only while another block holds its key). A full queue
         first drops the entries that can never go first (another identity's, an anchored
         window's), so it stays within a few times the blocks."""
+        self._queue_first(node, copy)
+
+    @cython.cfunc
+    def _queue_first(self, node: cython.int, copy: cython.bint) -> cython.void:
         if self.lane_size > self.lane_mask:
             self._compact_lane()
             if 4 * self.lane_size > 3 * (self.lane_mask + 1):
@@ -1096,19 +1131,20 @@ class DenseCostCore:
             entries.append((self.lane_node[at], self.lane_serial[at], bool(self.lane_copy[at])))
         return entries
 
-    def next_first(self, still_copy: object) -> int:
+    def next_first(self, copies: tuple) -> int:
         """Pop entries until one whose identity is live, a candidate and still first (a
-        window: unanchored; a copy: while `still_copy(node)`), and return it (-1: none)."""
+        window: unanchored; a copy: while another block holds its key, `held_by_another`
+        with `copies`), and return it (-1: none)."""
         node: cython.int
         while self.lane_size:
-            node = self._pop_first(still_copy)
+            node = self._pop_first(copies)
             if node >= 0:
                 return node
         return -1
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
-    def take_first(self, n: cython.Py_ssize_t, still_copy: object) -> list:
+    def take_first(self, n: cython.Py_ssize_t, copies: tuple) -> list:
         """Up to `n` victims from the queue, first first (as `next_first` finds them), each
         removed (`remove`) and its key cleared: the cache's objects (see the class doc)."""
         victims: list = []
@@ -1116,16 +1152,16 @@ class DenseCostCore:
         objects = self.objects
         node: cython.int
         while self.lane_size and len(victims) < n:
-            node = self._pop_first(still_copy)
+            node = self._pop_first(copies)
             if node < 0:
                 continue
-            self.remove(node)
+            self._remove(node)
             keys[node] = None
             victims.append(node if objects is None else objects[node])
         return victims
 
     @cython.cfunc
-    def _pop_first(self, still_copy: object) -> cython.int:
+    def _pop_first(self, copies: tuple) -> cython.int:
         """Pop the queue's first entry: its node if it still goes first, else -1."""
         at: cython.Py_ssize_t = self.lane_head
         node: cython.int = self.lane_node[at]
@@ -1136,7 +1172,9 @@ class DenseCostCore:
         if not self.evictable[node] or self.children[node] != 0:
             return -1
         if self.lane_copy[at]:
-            return node if still_copy(node) else -1
+            keys: list = self.keys
+            held = _held_by_another(copies[0], copies[1], keys, keys[node], node)
+            return node if held else -1
         return -1 if self.anchored[node] else node
 
     @cython.cfunc
@@ -1737,6 +1775,28 @@ def any_copy(
             continue
         found = index.get(key)
         if found is not None and (not values or isinstance(found, dict)):
+            return True
+    return False
+
+
+def held_by_another(copies: tuple, keys: list, key: object, node: cython.int) -> bool:
+    """Whether a block other than `node` holds `key` in an engine's map, as its pool
+    accounts for it (``keys[block] == key``): `copies` is the map's copy index (an
+    ``(index, values)`` pair, `kvplug.vllm.compat.copy_index`), where a key held by
+    more than one block maps to a dict keyed by their block ids."""
+    return _held_by_another(copies[0], copies[1], keys, key, node)
+
+
+@cython.cfunc
+def _held_by_another(
+    index: dict, values: cython.bint, keys: list, key: object, node: cython.int
+) -> cython.bint:
+    found = index.get(key)
+    if found is None or (values and not isinstance(found, dict)):
+        return False
+    ids: dict = found  # keyed by the block ids holding it (both layouts)
+    for other in ids:  # noqa: SIM110 (a loop Cython compiles; any() makes a generator)
+        if other != node and keys[other] == key:
             return True
     return False
 

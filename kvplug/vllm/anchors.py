@@ -51,11 +51,12 @@ class's `check_invariants`):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvplug.core.dense import held_by_another
 from kvplug.core.groups import GroupKind
-from kvplug.vllm.compat import cached_blocks, copy_index, may_hold_copies
+from kvplug.vllm.compat import copy_index
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -81,15 +82,15 @@ class BlockNodes(Protocol):
     ranked by the policy or not, or as the hybrid rules sort them (`release_hybrid`:
     a block of a group whose class, ``group_classes[group]``, is `WINDOW` goes first
     unranked unless anchored; one of a `FULL` group is ranked, and goes first too while
-    `still_copy` says another block holds its key, asked only where `copy_index` (vLLM's
-    map's index of keys that may hold copies: `kvplug.vllm.compat.copy_index`) names the
-    key; any other is ranked); `anchor_blocks` anchors the current identities of those
-    blocks that belong to a `WINDOW` group; the policy's
-    next victim (-1: none); and the rules' evicted-first queue, whose entries name a
-    block's identity (its serial at queueing) and whether it is a full-attention copy.
+    another block holds its key (`kvplug.core.dense.held_by_another`, reading `copies`,
+    vLLM's map's copy index: `kvplug.vllm.compat.copy_index`); any other is ranked);
+    `anchor_blocks` anchors the current identities of those blocks that belong to a
+    `WINDOW` group; the policy's next victim (-1: none); and the rules' evicted-first
+    queue, whose entries name a block's identity (its serial at queueing) and whether it
+    is a full-attention copy.
     `next_first` pops entries until one whose identity is live, a candidate and still
-    first (a window: unanchored; a copy: while `still_copy` says another block holds its
-    key) and returns it (-1: none left)."""
+    first (a window: unanchored; a copy: while another block holds its key) and returns
+    it (-1: none left)."""
 
     def serial_of(self, node: int) -> int: ...
     def is_evictable(self, node: int) -> bool: ...
@@ -104,17 +105,13 @@ class BlockNodes(Protocol):
     def next_victim(self) -> int: ...
 
     def release_hybrid(
-        self,
-        nodes: list[int],
-        group_classes: bytes,
-        copy_index: tuple[dict[Any, Any], bool],
-        still_copy: Callable[[int], bool],
+        self, nodes: list[int], group_classes: bytes, copies: tuple[dict[Any, Any], bool]
     ) -> None: ...
 
     # the evicted-first queue: ``(node, serial, copy)`` entries, first in first out
     def queue_first(self, node: int, copy: bool) -> None: ...
     def first_entries(self) -> list[tuple[int, int, bool]]: ...
-    def next_first(self, still_copy: Callable[[int], bool]) -> int: ...
+    def next_first(self, copies: tuple[dict[Any, Any], bool]) -> int: ...
 
 
 class HybridRules:
@@ -166,9 +163,6 @@ class HybridRules:
             if kind is GroupKind.FULL and self.windows:
                 classes[group] = FULL
         self.group_classes = bytes(classes)
-        # released blocks are evicted before the policy's choice, in release order
-        # (unanchored sliding-window blocks, full-attention copies): the nodes' queue
-        self.still_copy = self._still_copy
 
     # -- anchors -----------------------------------------------------------------------
     def anchor(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -228,7 +222,7 @@ class HybridRules:
         also queued to be evicted first."""
         if self.windows:
             copies = copy_index(self.pool.cached_block_hash_to_block)
-            self.nodes.release_hybrid(nodes, self.group_classes, copies, self.still_copy)
+            self.nodes.release_hybrid(nodes, self.group_classes, copies)
         else:
             self.nodes.release_ranked(nodes)
 
@@ -266,7 +260,7 @@ class HybridRules:
                     retiring.extend(self.dependents(node))
                     self._retire_dead_parent(node)
                 return node
-        node = nodes.next_first(self.still_copy)
+        node = nodes.next_first(copy_index(self.pool.cached_block_hash_to_block))
         if node >= 0:
             return node
         victim = nodes.next_victim()
@@ -346,15 +340,10 @@ class HybridRules:
 
     def _cached_elsewhere(self, key: Any, block_id: int) -> bool:
         """Whether a block other than `block_id` holds `key` (vLLM caches duplicates; its
-        map's layout differs by release: `kvplug.vllm.compat.cached_blocks`)."""
-        hash_map = self.pool.cached_block_hash_to_block
-        if not may_hold_copies(hash_map, key):
-            return False
-        blocks = cached_blocks(hash_map, key)
-        if len(blocks) < 2:
-            return False
-        keys = self._keys
-        return any(b.block_id != block_id and keys[b.block_id] == key for b in blocks)
+        map's layout differs by release: `kvplug.vllm.compat.copy_index`)."""
+        return held_by_another(
+            copy_index(self.pool.cached_block_hash_to_block), self._keys, key, block_id
+        )
 
     # -- audit ---------------------------------------------------------------------------
     def is_unranked(self, node: int) -> bool:

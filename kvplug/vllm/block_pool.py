@@ -46,7 +46,7 @@ Invariants (checked by `check_invariants`):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import count
 from typing import Any, ClassVar
@@ -54,7 +54,7 @@ from typing import Any, ClassVar
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
-from kvplug.core.dense import VictimHistory, count_keyed, count_new_keys, keys_of
+from kvplug.core.dense import VictimHistory, count_keyed, count_new_keys, held_by_another, keys_of
 from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.core.groups import GroupKind
 from kvplug.policies import make_policy
@@ -125,9 +125,12 @@ class RecordNodes(BlockNodes):
     """The record pool's eviction state by block id (`kvplug.vllm.anchors.BlockNodes`):
     each block's `CachedBlock` and the generic eviction core, for the hybrid rules."""
 
-    def __init__(self, slots: list[CachedBlock], eviction: EvictionCore[CachedBlock]) -> None:
+    def __init__(
+        self, slots: list[CachedBlock], eviction: EvictionCore[CachedBlock], keys: list[Any]
+    ) -> None:
         self._slots = slots
         self._eviction = eviction
+        self._keys = keys  # the pool's, by block id
         self._first: deque[tuple[int, int, bool]] = deque()  # (block id, serial, copy)
 
     def serial_of(self, node: int) -> int:
@@ -176,13 +179,9 @@ class RecordNodes(BlockNodes):
         return -1 if victim is None else victim.block.block_id
 
     def release_hybrid(
-        self,
-        nodes: list[int],
-        group_classes: bytes,
-        copy_index: tuple[dict[Any, Any], bool],
-        still_copy: Callable[[int], bool],
+        self, nodes: list[int], group_classes: bytes, copies: tuple[dict[Any, Any], bool]
     ) -> None:
-        slots, first = self._slots, self._first
+        slots, first, keys = self._slots, self._first, self._keys
         ranked: list[CachedBlock] = []
         unranked: list[CachedBlock] = []  # evicted first, and never ranked
         for node in nodes:
@@ -193,7 +192,7 @@ class RecordNodes(BlockNodes):
                 first.append((node, record.serial, False))
                 unranked.append(record)
                 continue
-            if kind == FULL and still_copy(node):
+            if kind == FULL and held_by_another(copies, keys, keys[node], node):
                 first.append((node, record.serial, True))  # a copy: the other one serves
             ranked.append(record)
         if ranked:
@@ -216,14 +215,14 @@ class RecordNodes(BlockNodes):
     def first_entries(self) -> list[tuple[int, int, bool]]:
         return list(self._first)
 
-    def next_first(self, still_copy: Callable[[int], bool]) -> int:
-        first, slots = self._first, self._slots
+    def next_first(self, copies: tuple[dict[Any, Any], bool]) -> int:
+        first, slots, keys = self._first, self._slots, self._keys
         while first:
             node, serial, copy = first.popleft()
             record = slots[node]
             if record.serial != serial or not record.evictable or record.cached_children:
                 continue
-            if still_copy(node) if copy else not record.anchored:
+            if held_by_another(copies, keys, keys[node], node) if copy else not record.anchored:
                 return node
         return -1
 
@@ -315,7 +314,7 @@ class KVPlugBlockPool(BlockPool):
                 self._keys = [None] * len(self.blocks)
             # without a sliding-window group no victim retires anything (module doc there)
             if GroupKind.SLIDING_WINDOW in self.group_kinds.values():
-                nodes = RecordNodes(self._slots, self.eviction)
+                nodes = RecordNodes(self._slots, self.eviction, self._keys)
                 self.rules = HybridRules(self, nodes, self.group_kinds, windows or {})
         else:  # vLLM's own queue and order; `ReleaseOrderPool` only counts
             self.free_block_queue = FreeKVCacheBlockQueue(free)

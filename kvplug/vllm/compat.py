@@ -13,7 +13,8 @@ number, so the rest of the package reads one API:
 - **The prefix-cache map.** vLLM's `BlockHashToBlockMap._cache` maps a key to a block,
   or to ``{block_id: block}`` when several blocks hold it (0.32-0.33); in 0.34 it maps a
   key to one block id, with every id of a duplicated key in ``_dup_ids``.
-  `cached_blocks` and `cached_items` read either.
+  `cached_blocks` and `cached_items` read either; `copy_index` gives compiled code the
+  index where a key held more than once maps to a dict keyed by block ids, in either.
 - **The null block in a touch.** vLLM 0.32's `BlockPool.touch` gives the null block a
   reference (and a metrics call); 0.33 skips it. `TOUCH_COUNTS_NULL` says which, found
   by running vLLM's own `touch` once on a null block.
@@ -86,14 +87,6 @@ def copy_index(hash_map: Any) -> tuple[dict[Any, Any], bool]:
     return hash_map._cache, True
 
 
-def may_hold_copies(hash_map: Any, key: Any) -> bool:
-    """Whether `hash_map` may hold more than one block under `key` (one dict lookup; False
-    is exact: it holds at most one)."""
-    index, values = copy_index(hash_map)
-    found = index.get(key)
-    return found is not None and (not values or isinstance(found, dict))
-
-
 def cached_items(hash_map: Any) -> Iterator[tuple[Any, list[KVCacheBlock]]]:
     """``(key, blocks)`` for every key of `hash_map`."""
     for key in list(hash_map._cache):
@@ -125,6 +118,5 @@ __all__ = [
     "cached_items",
     "copy_index",
     "install",
-    "may_hold_copies",
     "model_runner_output",
 ]

@@ -203,7 +203,13 @@ class DenseCostPool(KVPlugBlockPool):
         )  # fmt: skip
         rules = self.rules
         if self.tree_groups is not None and kv_cache_group_id not in self.tree_groups:
-            self._record_chain(blocks, num_cached_blocks, num_full_blocks, -1, loose=True)
+            start, _, recorded, churn = self.core.record_objects(
+                blocks, num_cached_blocks, num_full_blocks, -1, self.hash_block_size, True
+            )  # (`_record_chain`'s first pass, which usually records them all)
+            self._num_keys += recorded
+            self.stats.churn += churn
+            if start < num_full_blocks:
+                self._record_chain(blocks, start, num_full_blocks, -1, loose=True)
         else:
             canonical = rules.canonical if rules is not None and rules.windows else None
             parent = -1
@@ -223,7 +229,7 @@ class DenseCostPool(KVPlugBlockPool):
                         parent = -1
                         continue
                     parent = canonical(self._record(block, parent))
-        if rules is not None:
+        if rules is not None and kv_cache_group_id in rules.windows:
             rules.on_cached(
                 request, blocks, num_cached_blocks, num_full_blocks, block_size,
                 kv_cache_group_id,
@@ -311,10 +317,11 @@ class DenseCostPool(KVPlugBlockPool):
         if rules is not None:
             taken: list[KVCacheBlock] = []
             blocks, keys, core = self.blocks, self._keys, self.core
-            remove, retiring, still_copy = core.remove, rules.retiring, rules.still_copy
+            remove, retiring = core.remove, rules.retiring
+            copies = copy_index(self.cached_block_hash_to_block)
             while len(taken) < n:
                 if not retiring:  # the evicted-first queue's turn: in one compiled pass
-                    taken += core.take_first(n - len(taken), still_copy)
+                    taken += core.take_first(n - len(taken), copies)
                     if len(taken) == n:
                         break
                 block_id = rules.next_victim()
@@ -496,12 +503,15 @@ class DenseFreeQueue(PolicyFreeQueue):
             return
         releasing = pool.releasing
         objects = blocks if isinstance(blocks, list) else list(blocks)
-        if pool.rules is not None:  # the same pass, the rules ranking what they rank
-            nodes, odd = self.core.collect_objects(
-                objects, releasing.request_hit, releasing.output_tokens
+        rules = pool.rules
+        if rules is not None:  # the same pass, sorted as the rules sort (`release_n`)
+            odd = self.core.release_hybrid_objects(
+                objects,
+                releasing.request_hit,
+                releasing.output_tokens,
+                rules.group_classes,
+                copy_index(pool.cached_block_hash_to_block),
             )
-            if nodes:
-                pool.rules.release_n(nodes)
         else:
             odd = self.core.release_objects(objects, releasing.request_hit, releasing.output_tokens)
         if odd:  # from a hash the pool does not account for on: in order, as one at a time

@@ -81,13 +81,18 @@ class KVPlugKVCacheManager(KVCacheManager):
         if not pool.tracked:  # lru: nothing is ranked, so nothing to tell
             super().free(request)
             return
-        if pool.rules is not None:
-            for group, window in pool.rules.windows.items():  # the request's end: an anchor
-                manager = self.coordinator.single_type_managers[group]
-                blocks = manager.req_to_blocks.get(request.request_id)
+        rules = pool.rules
+        if rules is not None and rules.windows:  # the request's end: an anchor
+            managers, request_id = self.coordinator.single_type_managers, request.request_id
+            anchored: list[Any] = []
+            for group, window in rules.windows.items():
+                manager = managers[group]
+                blocks = manager.req_to_blocks.get(request_id)
                 if blocks:
-                    end = manager.num_cached_block.get(request.request_id, 0)
-                    pool.rules.anchor(blocks[max(end - window, 0) : end])
+                    end = manager.num_cached_block.get(request_id, 0)
+                    anchored += blocks[max(end - window, 0) : end]
+            if anchored:
+                rules.anchor(anchored)
         # its output is its output tokens, or ``kvplug_output_tokens`` where a caller
         # whose tokens are not model tokens sets it (the replay: a unit is a trace block)
         # (set on the pool's one `Release` and reset after, not a new one per request)

@@ -1,5 +1,6 @@
 """``kvplug bench vllm-manager`` at a tiny size: the report's shape, the same requests in
-every arm, kvplug's lru deciding exactly as stock, and bad input named. No timed checks."""
+every arm, kvplug's lru deciding exactly as stock, a told arm replaying cost's decisions in
+vLLM's own pool, and bad input named. No timed checks."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvplug[v
 from click.testing import CliRunner  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
+from kvplug.bench.told_pool import ToldBlockPool, make_told, record_handouts  # noqa: E402
 from kvplug.bench.vllm_manager import (  # noqa: E402
     STOCK,
     ManagerArm,
@@ -26,6 +28,7 @@ from kvplug.bench.vllm_manager import (  # noqa: E402
 )
 from kvplug.cli.bench import bench  # noqa: E402
 from kvplug.core.model_spec import load_model  # noqa: E402
+from kvplug.errors import KVPlugError  # noqa: E402
 from kvplug.policies import make_policy  # noqa: E402
 from kvplug.replay.loop import make_jobs  # noqa: E402
 from kvplug.replay.sources import bundled_trace_path  # noqa: E402
@@ -148,3 +151,41 @@ def test_hybrid_policies_are_checked() -> None:
     result = CliRunner().invoke(bench, args)
     assert result.exit_code == 2
     assert "hybrid" in result.output and "lru, cost" in result.output
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_told_arm_makes_the_policys_decisions_in_vllms_own_pool(model: str, trace: Trace) -> None:
+    """``told:cost`` is vLLM's own `BlockPool` handing out the blocks cost's pool handed out
+    (recorded in a first run): every request gets cost's hits, which differ from stock's,
+    and nothing of kvplug's pool runs in it."""
+    ((name, spec),) = parse_models(model)
+    jobs = make_jobs(trace, load_model(None))
+    arms: list[ManagerArm] = []
+    results = bench_size(name, spec, trace, jobs, FRACTION, ["cost"], ROUNDS, arms, told=["cost"])
+    assert [r.arm for r in results] == [STOCK, "cost", "told:cost"]
+    stock, cost, told = arms
+    assert type(told.pool) is ToldBlockPool and results[2].evictions is None
+    assert told.hits == cost.hits != stock.hits
+    assert results[2].hit_tokens == results[1].hit_tokens
+
+
+def test_a_told_pool_refuses_a_replay_that_diverged(trace: Trace) -> None:
+    ((name, spec),) = parse_models("full")
+    jobs = make_jobs(trace, load_model(None))
+    recorder = ManagerArm("cost", spec, 200, trace.block_tokens)
+    handouts = record_handouts(recorder.pool)
+    for job in jobs[:20]:
+        recorder.run(job)
+    assert handouts and all(handouts)
+    told = ManagerArm("told:cost", spec, 200, trace.block_tokens, handouts[:3])
+    with pytest.raises(KVPlugError, match="replay diverged"):
+        for job in jobs[:20]:
+            told.run(job)
+    with pytest.raises(TypeError, match="only vLLM's own BlockPool"):
+        make_told(recorder.pool, handouts)
+
+
+def test_told_is_checked_like_policies() -> None:
+    result = CliRunner().invoke(bench, ["manager", "--models", "full", "--told", "nope"])
+    assert result.exit_code == 2
+    assert "--told" in result.output and "cost" in result.output

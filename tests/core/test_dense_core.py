@@ -233,15 +233,19 @@ def test_the_dense_core_decides_as_the_generic_core(name, ops, tier_pricing):
 def test_the_evicted_first_queue_keeps_order_and_drops_only_what_cannot_go_first(core_class):
     """An engine's rules' evicted-first queue (`queue_first`, `next_first`): entries come
     out first in first out, an entry is skipped once its identity ended, an anchored
-    window's and a copy's that `still_copy` turns down; a full queue drops only entries
-    that could never come out (other identities', anchored windows'), so a block queued
-    over and over does not grow it."""
-    size = 8
+    window's, and a copy's once no other block holds its key (`held_by_another`); a full
+    queue drops only entries that could never come out (other identities', anchored
+    windows'), so a block queued over and over does not grow it."""
+    size = 10
     keys: list = [None] * size
     core = core_class(make_policy("cost"), size, keys)
     for node in range(size):
         keys[node] = b"%08d" % node + (0).to_bytes(4, "big")  # vLLM's layout: group 0 last
+    keys[8], keys[9] = keys[4], keys[5]  # held blocks caching the same hashes as 4 and 5
     core.insert_chain(list(range(size)), [0] * size, -1, True)  # loose: no parents
+    # vLLM's map (0.34's layout: the block ids under a key held more than once)
+    both = ({keys[4]: {4: None, 8: None}, keys[5]: {5: None, 9: None}}, False)
+    only_5 = ({keys[5]: {5: None, 9: None}}, False)
     core.release_unranked([0, 1, 2, 3])
     core.release_n([4, 5], [0, 0], False, 0)
     for node in (0, 1, 2, 3):
@@ -249,12 +253,12 @@ def test_the_evicted_first_queue_keeps_order_and_drops_only_what_cannot_go_first
     core.queue_first(4, True)
     core.queue_first(5, True)
     assert [entry[0] for entry in core.first_entries()] == [0, 1, 2, 3, 4, 5]
-    assert core.next_first(lambda node: True) == 0
+    assert core.next_first(both) == 0
     core.remove(1)  # its identity ends: its entry is skipped
-    assert core.next_first(lambda node: node != 4) == 2
-    assert core.next_first(lambda node: node != 4) == 3
-    assert core.next_first(lambda node: node != 4) == 5  # 4 is no copy any more
-    assert core.next_first(lambda node: True) == -1
+    assert core.next_first(only_5) == 2
+    assert core.next_first(only_5) == 3
+    assert core.next_first(only_5) == 5  # 4 is no copy any more
+    assert core.next_first(both) == -1
     core.check_invariants()
     # block 6, an anchored window, queued far more often than the ring holds
     core.release_unranked([6])
@@ -268,6 +272,24 @@ def test_the_evicted_first_queue_keeps_order_and_drops_only_what_cannot_go_first
     for _ in range(1000):
         core.queue_first(6, False)
     assert core.lane_size <= 64  # compacted, never grown
-    assert core.next_first(lambda node: True) == -1
+    assert core.next_first(both) == -1
     core.queue_first(7, False)  # not evictable: skipped
-    assert core.next_first(lambda node: True) == -1
+    assert core.next_first(both) == -1
+
+
+@pytest.mark.parametrize("module", [kvplug.core.dense, PLAIN])
+def test_a_copy_is_held_by_another_block_only_where_that_block_holds_the_key(module):
+    """`held_by_another` reads both vLLM map layouts: 0.32/0.33's (a key held once maps
+    to its block, more than once to a dict of blocks by id) and 0.34's (a dict of ids),
+    and counts a block only while the pool accounts for the key on it."""
+    key, other_key = b"k" * 8, b"o" * 8
+    keys: list = [key, key, other_key]
+    old_layout = ({key: {0: "block 0", 1: "block 1"}, other_key: "block 2"}, True)
+    new_layout = ({key: {0: None, 1: None}}, False)
+    for copies in (old_layout, new_layout):
+        assert module.held_by_another(copies, keys, key, 0)
+        assert module.held_by_another(copies, keys, key, 1)
+        assert not module.held_by_another(copies, keys, other_key, 2)
+    keys[1] = None  # block 1 no longer holds it as the pool accounts for it
+    for copies in (old_layout, new_layout):
+        assert not module.held_by_another(copies, keys, key, 0)
