@@ -1376,19 +1376,41 @@ class DenseCostCore:
         and `key_attribute`) whose key is the one the cache accounts for and whose group
         (`_group_of`) has class 1 in `group_classes` (an engine's rules read the mark:
         `is_anchored`)."""
-        keys: list = self.keys
-        name = self.key_attribute
-        node: cython.int
-        for item in objects:
-            key = getattr(item, name)
-            if key is None:
-                continue
-            node = item.block_id
-            held = keys[node]
-            if held is None or (held is not key and held != key):
-                continue
-            if _class_of_group(key, group_classes) == 1:
-                self.anchored[node] = 1
+        i: cython.Py_ssize_t
+        for i in range(len(objects)):
+            self._anchor(objects[i], group_classes)
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def anchor_windows(
+        self,
+        objects: list,
+        start: cython.Py_ssize_t,
+        end: cython.Py_ssize_t,
+        window: cython.Py_ssize_t,
+        ends: tuple,
+        group_classes: bytes,
+    ) -> None:
+        """`anchor_blocks` of ``objects[max(e - window, start) : min(e, end)]`` for each
+        position `e` in `ends`: the window of blocks before each of them, among those a
+        request just cached."""
+        e: cython.Py_ssize_t
+        i: cython.Py_ssize_t
+        for e in ends:
+            for i in range(max(e - window, start), min(e, end)):
+                self._anchor(objects[i], group_classes)
+
+    @cython.cfunc
+    def _anchor(self, item: object, group_classes: bytes) -> cython.void:
+        key = getattr(item, self.key_attribute)
+        if key is None:
+            return
+        node: cython.int = item.block_id
+        held = self.keys[node]
+        if held is None or (held is not key and held != key):
+            return
+        if _class_of_group(key, group_classes) == 1:
+            self.anchored[node] = 1
 
     def live_parent(self, node: cython.int) -> int:
         """`node`'s parent if the link is live, else -1."""

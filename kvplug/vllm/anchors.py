@@ -85,7 +85,9 @@ class BlockNodes(Protocol):
     another block holds its key (`kvplug.core.dense.held_by_another`, reading `copies`,
     vLLM's map's copy index: `kvplug.vllm.compat.copy_index`); any other is ranked);
     `anchor_blocks` anchors the current identities of those blocks that belong to a
-    `WINDOW` group; the policy's next victim (-1: none); and the rules' evicted-first
+    `WINDOW` group (`anchor_windows`: of ``blocks[max(e - window, start) : min(e, end)]``
+    for each position `e` of `ends`); the policy's next victim (-1: none); and the rules'
+    evicted-first
     queue, whose entries name a block's identity (its serial at queueing) and whether it
     is a full-attention copy.
     `next_first` pops entries until one whose identity is live, a candidate and still
@@ -100,6 +102,15 @@ class BlockNodes(Protocol):
     def depth_of(self, node: int) -> int: ...
     def is_anchored(self, node: int) -> bool: ...
     def anchor_blocks(self, blocks: Sequence[KVCacheBlock], group_classes: bytes) -> None: ...
+    def anchor_windows(
+        self,
+        blocks: list[KVCacheBlock],
+        start: int,
+        end: int,
+        window: int,
+        ends: tuple[int, ...],
+        group_classes: bytes,
+    ) -> None: ...
     def release_ranked(self, nodes: list[int]) -> None: ...
     def release_unranked(self, nodes: list[int]) -> None: ...
     def next_victim(self) -> int: ...
@@ -193,16 +204,15 @@ class HybridRules:
         window = self.windows.get(kv_cache_group_id)
         if not window:
             return
+        prompt = request.num_prompt_tokens
         ends = (
-            request.num_prompt_tokens // block_size,
-            (request.num_prompt_tokens - 1) // block_size,
+            prompt // block_size,
+            (prompt - 1) // block_size,
             getattr(request, "kvplug_branch", 0) // block_size,
         )
-        anchored: list[KVCacheBlock] = []
-        for end in ends:
-            anchored += blocks[max(end - window, num_cached_blocks) : min(end, num_full_blocks)]
-        if anchored:
-            self.nodes.anchor_blocks(anchored, self.group_classes)
+        self.nodes.anchor_windows(
+            blocks, num_cached_blocks, num_full_blocks, window, ends, self.group_classes
+        )
 
     def canonical(self, node: int) -> int:
         """The block vLLM's map names first for `node`'s key (vLLM caches duplicates): a

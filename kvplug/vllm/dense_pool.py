@@ -331,7 +331,8 @@ class DenseCostPool(KVPlugBlockPool):
                 keys[block_id] = None
                 taken.append(blocks[block_id])
             self._num_keys -= n
-            self.on_evicted(taken)
+            self.stats.evictions += n  # (`on_evicted`)
+            self._evicted.file_recent(taken, "_block_hash")
             return taken
         victims: list[KVCacheBlock] = self.core.pop_victims(n)
         self._num_keys -= len(victims)
@@ -457,17 +458,23 @@ class DenseFreeQueue(PolicyFreeQueue):
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         core = self.core
-        if not self._first_entry and self.pool.rules is None:  # one compiled call
+        pool = self.pool
+        if not self._first_entry:
             if core.num_fresh + core.num_evictable < n:
                 raise ValueError("Not enough free blocks are available")
+            if pool.rules is not None:  # fresh blocks, then the rules' victims
+                taken = core.pop_fresh(n) if core.num_fresh else []
+                if len(taken) < n:
+                    taken += pool.evict_n(n - len(taken))
+                return taken
+            # one compiled call
             handed: list[KVCacheBlock] = core.take_n(n)
             evicted = core.last_victims
             if evicted:  # `DenseCostPool.evict_n`'s counts
-                pool = self.pool
                 pool._num_keys -= evicted
                 pool.stats.evictions += evicted
             if len(handed) < n:
-                handed += self.pool.evict_n(n - len(handed))
+                handed += pool.evict_n(n - len(handed))
             return handed
         taken: list[KVCacheBlock] = core.pop_fresh(n) if core.num_fresh else []
         if len(taken) < n:
