@@ -166,18 +166,6 @@ class RecordNodes(BlockNodes):
                 if group < len(group_classes) and group_classes[group] == WINDOW:
                     record.anchored = True
 
-    def anchor_windows(
-        self,
-        blocks: list[KVCacheBlock],
-        start: int,
-        end: int,
-        window: int,
-        ends: tuple[int, ...],
-        group_classes: bytes,
-    ) -> None:
-        for e in ends:
-            self.anchor_blocks(blocks[max(e - window, start) : min(e, end)], group_classes)
-
     def release_ranked(self, nodes: list[int]) -> None:
         slots = self._slots
         self._eviction.release_n([slots[node] for node in nodes])
