@@ -27,6 +27,8 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvplug.errors import KVPlugError
 
+TOLD = "told:"  # the prefix of a benchmark arm replaying a policy's handouts
+
 
 class ToldBlockPool(BlockPool):
     """A stock `BlockPool` handing out the recorded blocks (`tell`)."""
@@ -96,4 +98,4 @@ def record_handouts(pool: BlockPool) -> list[list[int]]:
     return handouts
 
 
-__all__ = ["ToldBlockPool", "make_told", "record_handouts"]
+__all__ = ["TOLD", "ToldBlockPool", "make_told", "record_handouts"]

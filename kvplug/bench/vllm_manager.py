@@ -57,7 +57,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request, RequestStatus
 
 import kvplug
-from kvplug.bench.told_pool import make_told, record_handouts
+from kvplug.bench.told_pool import TOLD, make_told, record_handouts
 from kvplug.bench.vllm_step import GCTimer, _percentile_ms
 from kvplug.core.groups import GroupKind
 from kvplug.core.model_spec import load_model
@@ -74,7 +74,6 @@ from kvplug.replay.trace import Trace
 from kvplug.vllm.block_pool import KVPlugBlockPool
 
 STOCK = "stock"
-TOLD = "told:"  # prefix of an arm replaying a policy's handouts in vLLM's own pool
 FULL = "full"  # one full-attention group, as the replay's `VLLMStockArm`
 TARGETS = {"lru": 1.10, "cost": 1.25}  # the bounds on time per request / stock's
 

@@ -59,7 +59,7 @@ import statistics
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -77,6 +77,8 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 import kvplug.vllm
+from kvplug.bench.told_pool import TOLD, make_told, record_handouts
+from kvplug.errors import KVPlugError
 from kvplug.vllm.block_pool import KVPlugBlockPool
 from kvplug.vllm.compat import model_runner_output
 
@@ -274,21 +276,29 @@ def scheduler_kwargs(config: VllmConfig, workload: Workload, num_blocks: int) ->
 
 class Arm:
     """One scheduler and its copy of the request stream. `name` is ``"stock"`` (vLLM's
-    `Scheduler`) or a kvplug policy (``kvplug.vllm.Scheduler`` with that policy)."""
+    `Scheduler`) or a kvplug policy (``kvplug.vllm.Scheduler`` with that policy); with
+    `handouts`, vLLM's `Scheduler` whose pool hands out those blocks
+    (`kvplug.bench.told_pool`)."""
 
     def __init__(
-        self, name: str, base_config: VllmConfig, workload: Workload, num_blocks: int
+        self,
+        name: str,
+        base_config: VllmConfig,
+        workload: Workload,
+        num_blocks: int,
+        handouts: list[list[int]] | None = None,
     ) -> None:
         self.name = name
         self.workload = workload
         config = copy.deepcopy(base_config)
-        if name != STOCK:
+        stock = name == STOCK or handouts is not None
+        if not stock:
             config.additional_config = {"kvplug": {"policy": name}}
         kwargs = scheduler_kwargs(config, workload, num_blocks)
-        self.scheduler = (
-            StockScheduler(**kwargs) if name == STOCK else kvplug.vllm.Scheduler(**kwargs)
-        )
+        self.scheduler = StockScheduler(**kwargs) if stock else kvplug.vllm.Scheduler(**kwargs)
         self.pool = self.scheduler.kv_cache_manager.block_pool
+        if handouts is not None:
+            make_told(self.pool, handouts)
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(workload.block_size, hash_fn)
@@ -409,18 +419,33 @@ def bench_size(
     workload: Workload,
     max_warmup_steps: int = 20_000,
     arms_out: list[Arm] | None = None,
+    told: Sequence[str] = (),
 ) -> list[ArmResult]:
     """Time the stock arm and one kvplug arm per policy at `num_blocks` blocks: `steps`
-    timed steps per arm, in `rounds` interleaved segments."""
+    timed steps per arm, in `rounds` interleaved segments. Each policy in `told` adds an
+    arm ``told:POLICY``: vLLM's own scheduler and pool, the pool handing out the blocks a
+    first, untimed run of the policy's arm handed out (`kvplug.bench.told_pool`), checked
+    to schedule and hit the same tokens."""
     base_config = build_vllm_config(model_dir, workload, num_blocks)
     arms = [Arm(name, base_config, workload, num_blocks) for name in [STOCK, *policies]]
+    settle = max(steps // rounds, 50)
+    recorded: dict[str, tuple[int, int]] = {}  # a told arm's name: (scheduled, hit) tokens
+    for name in told:
+        recorder = Arm(name, base_config, workload, num_blocks)
+        handouts = record_handouts(recorder.pool)
+        recorder.warm_up(max_warmup_steps, settle)
+        for _ in range(steps):
+            recorder.step(timed=True)
+        recorded[f"{TOLD}{name}"] = (recorder.scheduled_tokens, recorder.hit_tokens)
+        arms.append(Arm(f"{TOLD}{name}", base_config, workload, num_blocks, handouts))
+        del recorder
     # As vLLM's engine core does once its scheduler is built: the start-up heap is frozen,
     # so the garbage collector only scans what is allocated while serving.
     gc.collect()
     gc.freeze()
     try:
         for arm in arms:
-            arm.warm_up(max_warmup_steps, settle=max(steps // rounds, 50))
+            arm.warm_up(max_warmup_steps, settle)
         warmup = {arm.name: arm.steps for arm in arms}
         evictions_before = {arm.name: arm.evictions() for arm in arms}
         round_medians: dict[str, list[float]] = {arm.name: [] for arm in arms}
@@ -436,6 +461,9 @@ def bench_size(
                     round_medians[arm.name].append(statistics.median(walls))
     finally:
         gc.unfreeze()
+    for arm in arms:
+        if arm.name in recorded and recorded[arm.name] != (arm.scheduled_tokens, arm.hit_tokens):
+            raise KVPlugError(f"{arm.name}: vLLM's pool told the same blocks scheduled otherwise")
     results = [
         _result(arm, warmup[arm.name], evictions_before[arm.name], num_blocks) for arm in arms
     ]
@@ -505,18 +533,23 @@ def bench_vllm_step(
     workload: Workload | None = None,
     model_dir: Path | None = None,
     progress: Callable[[str], None] | None = None,
+    told: Sequence[str] = (),
 ) -> list[ArmResult]:
-    """`bench_size` at each of `sizes`; builds a tiny model directory if none is given."""
+    """`bench_size` at each of `sizes` (with a ``told:POLICY`` arm for each policy in
+    `told`); builds a tiny model directory if none is given."""
     workload = workload or Workload()
     results: list[ArmResult] = []
     with tiny_model_dir(model_dir) as model_dir:
         for num_blocks in sizes:
             if progress is not None:
+                names = [*policies, *(f"{TOLD}{name}" for name in told)]
                 progress(
-                    f"{num_blocks:,} blocks: stock, {', '.join(policies)}: warming up, "
+                    f"{num_blocks:,} blocks: stock, {', '.join(names)}: warming up, "
                     f"then {steps} timed steps each in {rounds} rounds"
                 )
-            results += bench_size(model_dir, num_blocks, policies, steps, rounds, workload)
+            results += bench_size(
+                model_dir, num_blocks, policies, steps, rounds, workload, told=told
+            )  # fmt: skip
             gc.collect()
     return results
 
@@ -537,8 +570,9 @@ def report(results: list[ArmResult], workload: Workload, steps: int, rounds: int
 
 
 def format_table(results: list[ArmResult]) -> str:
+    width = max([6, *(len(r.arm) for r in results)])
     header = (
-        f"{'blocks':>8} {'arm':<6} {'p50 ms':>9} {'ratio':>6} {'rounds':>10} "
+        f"{'blocks':>8} {'arm':<{width}} {'p50 ms':>9} {'ratio':>6} {'rounds':>10} "
         f"{'p99 ms':>8} {'ratio':>6} "
         f"{'mean ms':>8} {'ratio':>6} {'cpu ms':>7} {'ratio':>6} {'gc ms':>6} {'gc %':>5} "
         f"{'add':>6} {'sched':>6} {'update':>6} {'tok/step':>8} {'hit %':>6} {'evicted':>8}"
@@ -549,7 +583,7 @@ def format_table(results: list[ArmResult]) -> str:
         span = f"{min(r.round_ratios):.2f}-{max(r.round_ratios):.2f}" if r.round_ratios else ""
         evictions = "-" if r.evictions is None else f"{r.evictions:,}"
         lines.append(
-            f"{r.num_blocks:>8,} {r.arm:<6} {r.step_ms:>9.3f} {r.ratio:>5.2f}x {span:>10} "
+            f"{r.num_blocks:>8,} {r.arm:<{width}} {r.step_ms:>9.3f} {r.ratio:>5.2f}x {span:>10} "
             f"{r.p99_ms:>8.3f} {r.p99_ratio:>5.2f}x "
             f"{r.mean_ms:>8.3f} {r.mean_ratio:>5.2f}x {r.cpu_ms:>7.3f} {r.cpu_ratio:>5.2f}x "
             f"{r.gc_ms:>6.3f} {100 * r.gc_share:>5.1f} "

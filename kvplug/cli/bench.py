@@ -119,6 +119,12 @@ def replay_speed(requests: int, policies: str, capacity_fraction: float) -> None
     "--rounds", default=10, show_default=True, help="Interleaved rounds the steps are split in."
 )
 @click.option("--policies", default="lru,cost", show_default=True, help="kvplug arms.")
+@click.option(
+    "--told",
+    default="",
+    help="Also an arm told:POLICY for each of these policies: vLLM's own scheduler and pool, "
+    "the pool handing out the blocks the policy's pool handed out in a first run.",
+)
 @click.option("--seed", default=0, show_default=True, help="Seed of the request stream.")
 @click.option(
     "--json",
@@ -138,6 +144,7 @@ def vllm_step(
     steps: int,
     rounds: int,
     policies: str,
+    told: str,
     seed: int,
     json_path: str | None,
     digest: bool,
@@ -156,6 +163,16 @@ def vllm_step(
         raise click.BadParameter(
             "name one or more distinct kvplug policies (the stock arm always runs)",
             param_hint="--policies",
+        )
+    from kvplug.policies import online_policies
+
+    told_names = [name.strip() for name in told.split(",") if name.strip()]
+    unknown = [name for name in told_names if name not in online_policies()]
+    if unknown or len(set(told_names)) < len(told_names):
+        raise click.BadParameter(
+            f"bad policies {told!r}; name distinct kvplug policies among: "
+            + ", ".join(online_policies()),
+            param_hint="--told",
         )
     from kvplug.bench.vllm_step import (
         Workload,
@@ -177,6 +194,7 @@ def vllm_step(
         rounds=rounds,
         workload=workload,
         progress=lambda line: click.echo(line, err=True),
+        told=told_names,
     )
     click.echo(format_table(results))
     click.echo(

@@ -1,5 +1,6 @@
 """``kvplug bench vllm-step`` at a tiny size: the report's shape, the same workload in every
-arm, and kvplug's pool really in the kvplug arms."""
+arm, kvplug's pool really in the kvplug arms, and a told arm replaying cost's decisions in
+vLLM's own scheduler and pool."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'kvplug[v
 from click.testing import CliRunner  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
+from kvplug.bench.told_pool import ToldBlockPool  # noqa: E402
 from kvplug.bench.vllm_step import (  # noqa: E402
     STOCK,
     Arm,
@@ -172,3 +174,25 @@ def test_the_command_prints_one_digest_per_arm() -> None:
     rows = re.findall(r"600 blocks\s+(\S+)\s+([0-9a-f]{64})$", result.output, re.M)
     assert [arm for arm, _ in rows] == ["lru", "cost"]
     assert rows[0][1] != rows[1][1]
+
+
+def test_a_told_arm_schedules_as_the_policys_arm_in_vllms_own_scheduler(model_dir: Path) -> None:
+    """``told:cost`` is vLLM's own scheduler whose pool hands out the blocks cost's arm
+    handed out (recorded in a first run): it schedules and hits the tokens cost's arm
+    does (the benchmark raises otherwise), which are not stock's."""
+    arms: list[Arm] = []
+    results = bench_size(
+        model_dir, NUM_BLOCKS, ["cost"], STEPS, ROUNDS, TINY, arms_out=arms, told=["cost"]
+    )
+    assert [r.arm for r in results] == [STOCK, "cost", "told:cost"]
+    stock, cost, told = results
+    assert type(arms[2].pool) is ToldBlockPool and told.evictions is None
+    assert (told.scheduled_tokens, told.hit_tokens) == (cost.scheduled_tokens, cost.hit_tokens)
+    assert told.warmup_steps == cost.warmup_steps
+    assert "told:cost" in format_table(results)
+
+
+def test_step_told_is_checked() -> None:
+    result = CliRunner().invoke(bench, ["step", "--told", "nope"])
+    assert result.exit_code == 2
+    assert "--told" in result.output and "cost" in result.output
