@@ -87,9 +87,8 @@ class BlockNodes(Protocol):
     `anchor_blocks` anchors the current identities of those blocks that belong to a
     `WINDOW` group (`anchor_windows`: of ``blocks[max(e - window, start) : min(e, end)]``
     for each position `e` of `ends`); the policy's next victim (-1: none); and the rules'
-    evicted-first
-    queue, whose entries name a block's identity (its serial at queueing) and whether it
-    is a full-attention copy.
+    evicted-first queue, whose entries name a block's identity (its serial at queueing)
+    and whether it is a full-attention copy.
     `next_first` pops entries until one whose identity is live, a candidate and still
     first (a window: unanchored; a copy: while another block holds its key) and returns
     it (-1: none left)."""
