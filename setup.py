@@ -1,9 +1,10 @@
 """Builds kvplug's compiled module where a C compiler is present.
 
-`kvplug/core/dense.py` is written in Cython's pure-Python mode: Cython compiles it to a C
-extension at install, and where that fails (no compiler, no Python headers) kvplug installs
-without it and runs the same source as plain Python (`kvplug.core.dense.COMPILED` says
-which). Everything else is in pyproject.toml.
+`kvplug/core/dense.py` (the dense eviction core) and `kvplug/policies/shadow.py`
+(`learned`'s shadow caches) are written in Cython's pure-Python mode: Cython compiles them
+to C extensions at install, and where that fails (no compiler, no Python headers) kvplug
+installs without them and runs the same sources as plain Python (each module's
+``COMPILED`` says which). Everything else is in pyproject.toml.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-COMPILED_MODULES = ["kvplug/core/dense.py"]
+COMPILED_MODULES = ["kvplug/core/dense.py", "kvplug/policies/shadow.py"]
 
 
 class OptionalBuildExt(build_ext):

@@ -156,20 +156,25 @@ def info(as_json: bool, import_modules: bool, names: tuple[str, ...]) -> None:
     Give NAMEs (vllm, sglang, torch, triton, flashinfer) to report only those.
     """
     from kvplug.core.dense import COMPILED
+    from kvplug.policies.shadow import COMPILED as SHADOW_COMPILED
 
     components = probe(import_modules=import_modules, names=names or None)
-    core = "compiled" if COMPILED else "plain Python (no C compiler at install)"
+    plain = "plain Python (no C compiler at install)"
+    core = "compiled" if COMPILED else plain
+    shadows = "compiled" if SHADOW_COMPILED else plain
     if as_json:
         report = {
             "kvplug": __version__,
             "python": platform.python_version(),
             "dense_core_compiled": COMPILED,
+            "learned_shadows_compiled": SHADOW_COMPILED,
             "components": [asdict(c) for c in components],
         }
         click.echo(json.dumps(report, indent=2))
     else:
         click.echo(f"kvplug {__version__} (Python {platform.python_version()})")
-        click.echo(f"dense eviction core (cost, learned in vLLM's pool): {core}\n")
+        click.echo(f"dense eviction core (cost, learned in vLLM's pool): {core}")
+        click.echo(f"learned's shadow caches: {shadows}\n")
         click.echo(_table(components))
 
 

@@ -1539,19 +1539,22 @@ class DenseCostCore:
             )
             self.known[code] = 1
         probability: cython.double = self.probability[code]
-        depth: cython.int = self.depth[node]
-        value: cython.double
-        if depth < len(self.by_depth):
-            value = self.by_depth[depth]
-        else:
-            value = self.policy.value.at_depth(depth)
-            self.by_depth = self.policy.value.by_depth
+        value: cython.double = self._value(self.depth[node])
         if self.tiers_seen and self.held[node]:
             if self.reload == 0.0:
                 self.reload = self.policy.reload_value()
             if value > self.reload:
                 value = self.reload
         return (1 + self.weight * (hits if hits < 3 else 3)) * probability * value
+
+    @cython.cfunc
+    def _value(self, depth: cython.int) -> cython.double:
+        """The prefill value of a block at `depth` (`BlockValue.at_depth`)."""
+        if depth < len(self.by_depth):
+            return self.by_depth[depth]
+        value: cython.double = self.policy.value.at_depth(depth)
+        self.by_depth = self.policy.value.by_depth
+        return value
 
     @cython.cfunc
     def _rank_release(self, node: cython.int) -> cython.void:
@@ -1647,15 +1650,17 @@ class DenseCostCore:
 class DenseLearnedCore(DenseCostCore):
     """`DenseCostCore` with `kvplug.policies.learned.LearnedPolicy`'s ranking: `cost`'s
     credit, a running mean of credits, the sampled keys' releases, accesses and hits fed to
-    the policy's two shadows (which stay on the policy, as its referee does), and, while
-    the referee prefers release order, ranks in release order on `cost`'s scale. The
-    generic policy's decisions, rank for rank (the same differential tests)."""
+    the policy's shadow duel (`kvplug.policies.shadow.ShadowDuel`, which stays on the
+    policy, as its referee does), and, while the referee prefers release order, ranks in
+    release order on `cost`'s scale. The generic policy's decisions, rank for rank (the
+    same differential tests)."""
 
     sample: cython.char[:]  # the key of its identity is in the shadows' sample
     mask: cython.int
     mean: cython.double
     lru_rank: cython.double
     use_learned: cython.bint
+    duel: object
 
     def __init__(self, policy: Any, num_nodes: int, keys: list, *args: Any) -> None:
         super().__init__(policy, num_nodes, keys, *args)
@@ -1663,7 +1668,8 @@ class DenseLearnedCore(DenseCostCore):
         self.mask = (1 << policy.sample_shift) - 1
         self.mean = policy._mean_credit
         self.lru_rank = policy._lru_rank
-        self.use_learned = policy.use_learned
+        self.duel = policy.duel
+        self.use_learned = self.duel.use_learned
 
     @cython.cfunc
     def _inserted(self, nodes: list) -> cython.void:
@@ -1673,25 +1679,23 @@ class DenseLearnedCore(DenseCostCore):
             self.sample[node] = (keys[node][0] & self.mask) == 0
         for node in nodes:
             if self.sample[node]:
-                self.policy.shadow_access(keys[node], self.depth[node])
+                self.duel.access(keys[node], self._value(self.depth[node]))
 
     @cython.cfunc
     def _was_hit(self, node: cython.int) -> cython.void:
         if self.sample[node]:
-            self.policy.shadow_access(self.keys[node], self.depth[node])
+            self.duel.access(self.keys[node], self._value(self.depth[node]))
 
     @cython.cfunc
     def _releasing(self) -> cython.void:
-        self.use_learned = self.policy.use_learned
+        self.use_learned = self.duel.use_learned
 
     @cython.cfunc
     def _rank_release(self, node: cython.int) -> cython.void:
         credit: cython.double = self._credit(node)
         self.mean += (credit - self.mean) / 1024
         if self.sample[node]:
-            key = self.keys[node]
-            self.policy._learned.release(key, credit)
-            self.policy._lru.release(key, 0.0)
+            self.duel.release(self.keys[node], credit)
         if self.use_learned:
             self._set_rank(node, self.inflation + credit + 0.0)
             return
@@ -1712,12 +1716,11 @@ class DenseLearnedCore(DenseCostCore):
         self.mean += (credit - self.mean) / 1024
         self.policy._mean_credit = self.mean
         if self.sample[node]:
-            self.policy._learned.release(self.keys[node], credit)
-            self.policy._lru.release(self.keys[node], 0.0)
+            self.duel.release(self.keys[node], credit)
         return self.inflation + credit
 
     def tier_changed(self, node: cython.int) -> None:
-        if self.policy.use_learned:  # in release order, a tier changes nothing
+        if self.duel.use_learned:  # in release order, a tier changes nothing
             DenseCostCore.tier_changed(self, node)
         elif self.prices_tiers:
             self.tiers_seen = True

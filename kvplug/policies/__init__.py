@@ -12,7 +12,7 @@ policy can do from its class (`offline`, `release_order`, `RankedPolicy`).
 | `base` | `EvictionPolicy` (hooks, capabilities) and `RankedPolicy` (one rank per release) |
 | `value` | `BlockValue`: the prefill FLOPs a block saves at its depth |
 | `lru`, `lfu`, `gdsf`, `cost`, `learned` | the online policies |
-| `shadow` | `ShadowCache`: the learned policy's candidate caches |
+| `shadow` | `ShadowCache`, `ShadowDuel`: `learned`'s shadow caches and referee (compiled) |
 | `offline` | ``belady``, ``rate-oracle``, ``returning-oracle``: bounds for trace replays |
 """
 

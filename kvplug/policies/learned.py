@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from kvplug.policies.base import RankedPolicy
 from kvplug.policies.cost import CostPolicy
 from kvplug.policies.entry import make_entry
-from kvplug.policies.shadow import ShadowCache, sampled
+from kvplug.policies.shadow import ShadowDuel, sampled
 
 if TYPE_CHECKING:
     from kvplug.policies.node import CachedNode
@@ -63,31 +63,33 @@ class LearnedPolicy(CostPolicy):
         )
         self.shadow_blocks = shadow_blocks
         self.sample_shift = 0  # set by `bind`: sample one key in 2**sample_shift
-        self.window = window
-        self.margin = margin
-        self.use_learned = True
-        self.switches = 0
         self._mean_credit = 1.0
         self._lru_rank = 0.0  # the last rank given in LRU mode
-        self._sampled_accesses = 0
-        self._learned = ShadowCache(1, lambda shadow, credit: shadow.floor + credit)
-        self._lru = ShadowCache(1, lambda shadow, credit: 0.0)
+        self.duel = ShadowDuel(1, window, margin)
 
     def bind(self, block_size: int, num_blocks: int) -> None:
         super().bind(block_size, num_blocks)
         self.sample_shift = max(0, (num_blocks // max(1, self.shadow_blocks)).bit_length() - 1)
         capacity = max(1, num_blocks >> self.sample_shift)
-        self._learned.capacity = self._lru.capacity = capacity
-        if not self.window:
-            self.window = max(256, 8 * capacity)
+        self.duel.resize(capacity)
+        if not self.duel.window:
+            self.duel.window = max(256, 8 * capacity)
+
+    @property
+    def use_learned(self) -> bool:
+        """Whether releases are ranked by the learned credit (else in release order)."""
+        return self.duel.use_learned
+
+    @property
+    def switches(self) -> int:
+        return self.duel.switches
 
     def rank(self, node: CachedNode) -> float:
         credit = self.credit(node)
         self._mean_credit += (credit - self._mean_credit) / 1024
         if sampled(node.key, self.sample_shift):
-            self._learned.release(node.key, credit)
-            self._lru.release(node.key, 0.0)
-        if self.use_learned:
+            self.duel.release(node.key, credit)
+        if self.duel.use_learned:
             return self.inflation + credit
         # release order: never below an earlier LRU-like rank, though the mean moves
         self._lru_rank = max(self._lru_rank, self.inflation + self._mean_credit)
@@ -101,14 +103,14 @@ class LearnedPolicy(CostPolicy):
             RankedPolicy.release_n(self, nodes)
             return
         ranks, releases, shift = self._rank, self._releases, self.sample_shift
-        inflation, mean = self.inflation, self._mean_credit
+        inflation, mean, duel = self.inflation, self._mean_credit, self.duel
+        use_learned = duel.use_learned  # (a release never moves the referee)
         for node, credit in zip(nodes, self._credits(nodes), strict=True):
             mean += (credit - mean) / 1024
             key = node.key
             if sampled(key, shift):
-                self._learned.release(key, credit)
-                self._lru.release(key, 0.0)
-            if self.use_learned:
+                duel.release(key, credit)
+            if use_learned:
                 rank = inflation + credit
             else:
                 self._lru_rank = rank = max(self._lru_rank, inflation + mean)
@@ -127,7 +129,7 @@ class LearnedPolicy(CostPolicy):
             self._shadow_access(node)
 
     def tier_changed(self, node: CachedNode, evictable: bool) -> None:
-        if self.use_learned:  # in release order, a tier changes nothing
+        if self.duel.use_learned:  # in release order, a tier changes nothing
             super().tier_changed(node, evictable)
         elif self.prices_tiers:
             self._tiers_seen = True
@@ -147,25 +149,13 @@ class LearnedPolicy(CostPolicy):
     def shadow_access(self, key: Any, depth: int) -> None:
         """A sampled `key`, at `depth`, was accessed: both shadows see it, and every
         `window` sampled accesses the referee chooses the ranking."""
-        value = self.value.at_depth(depth)
-        self._learned.access(key, value)
-        self._lru.access(key, value)
-        self._sampled_accesses += 1
-        if self._sampled_accesses % self.window == 0:
-            self._referee()
-
-    def _referee(self) -> None:
-        use_learned = self._learned.saved >= (1 - self.margin) * self._lru.saved
-        self.switches += use_learned != self.use_learned
-        self.use_learned = use_learned
-        self._learned.decay(0.5)
-        self._lru.decay(0.5)
+        self.duel.access(key, self.value.at_depth(depth))
 
     def explain(self) -> dict[str, Any]:
         """The learned state: which ranking is in use, the shadows' scores, the classes."""
         return {
-            "ranking": "learned" if self.use_learned else "lru",
-            "switches": self.switches,
-            "shadow_saved": {"learned": self._learned.saved, "lru": self._lru.saved},
+            "ranking": "learned" if self.duel.use_learned else "lru",
+            "switches": self.duel.switches,
+            "shadow_saved": {"learned": self.duel.learned.saved, "lru": self.duel.lru.saved},
             "classes": {str(cls): row for cls, row in sorted(self.learned().items())},
         }

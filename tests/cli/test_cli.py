@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 import kvplug.core.dense
+import kvplug.policies.shadow
 from kvplug import __version__
 from kvplug.cli.app import LazyGroup, main
 from kvplug.errors import ConfigError
@@ -60,6 +61,7 @@ def test_info_json() -> None:
     report = json.loads(result.output)
     assert report["kvplug"] == __version__
     assert report["dense_core_compiled"] is kvplug.core.dense.COMPILED
+    assert report["learned_shadows_compiled"] is kvplug.policies.shadow.COMPILED
     by_name = {c["name"]: c for c in report["components"]}
     assert sorted(by_name) == sorted(NAMES)
     assert by_name["vllm"]["installed"] == installed("vllm")

@@ -21,7 +21,6 @@ from kvplug.policies.gdsf import GDSFPolicy
 from kvplug.policies.learned import LearnedPolicy
 from kvplug.policies.lfu import LFUPolicy
 from kvplug.policies.offline.rate_oracle import ReturningOraclePolicy
-from kvplug.policies.shadow import ShadowCache, sampled
 
 BUILTIN = ["belady", "cost", "gdsf", "learned", "lfu", "lru", "rate-oracle", "returning-oracle"]
 
@@ -190,38 +189,17 @@ def test_learned_keeps_cost_s_lesson_when_the_shadows_agree() -> None:
 def test_learned_falls_back_to_release_order_when_lru_s_shadow_wins() -> None:
     policy = LearnedPolicy(tokens_per_block=512)
     policy.bind(1, 64)
-    policy._lru.saved, policy._learned.saved = 10.0, 5.0
-    policy._referee()
+    policy.duel.lru.saved, policy.duel.learned.saved = 10.0, 5.0
+    policy.duel.referee()
     assert not policy.use_learned and policy.switches == 1
     cache = KVCache(64, 1, policy=policy)
     for i in range(8):  # very different classes and depths, ranked in release order
         _serve(cache, f"r{i}", [100 * i + k for k in range(1 + i % 3)], output=10 + 300 * (i % 2))
     order = [node.tokens[0] // 100 for node in policy.choose_victims(8)]
     assert order == sorted(order)
-    policy._lru.saved, policy._learned.saved = 1.0, 5.0
-    policy._referee()
+    policy.duel.lru.saved, policy.duel.learned.saved = 1.0, 5.0
+    policy.duel.referee()
     assert policy.use_learned and policy.switches == 2
-
-
-def test_shadow_cache_evicts_released_entries_by_rank_and_keeps_held_ones() -> None:
-    shadow = ShadowCache(2, lambda shadow, credit: shadow.floor + credit)
-    shadow.access(b"a", 1.0)
-    shadow.release(b"a", 5.0)
-    shadow.access(b"b", 1.0)
-    shadow.release(b"b", 1.0)
-    shadow.access(b"c", 1.0)  # full: b has the lowest rank
-    assert shadow.floor == 1.0 and shadow.saved == 0.0
-    shadow.access(b"a", 2.0)  # a hit; a and c are now both held
-    shadow.access(b"d", 1.0)  # nothing evictable: it holds three for now
-    assert shadow.saved == 2.0 and len(shadow._entries) == 3
-    shadow.decay(0.5)
-    assert shadow.saved == 1.0
-
-
-def test_sampling_takes_one_key_in_two_to_the_shift() -> None:
-    keys = [bytes([i]) for i in range(256)]
-    assert sum(sampled(k, 3) for k in keys) == 32
-    assert all(sampled(k, 0) for k in keys)
 
 
 def _machine_under(policy: str):

@@ -1,8 +1,8 @@
-"""The dense eviction core's source run as plain Python, beside the build's module.
+"""kvplug's compiled modules' sources run as plain Python, beside the build's modules.
 
-`kvplug.core.dense` may be the compiled extension; its tests also run the same source
-uncompiled (Cython's shadow module), as an install without a C compiler does, and check
-that both decide alike."""
+`kvplug.core.dense` and `kvplug.policies.shadow` may be compiled extensions; their tests
+also run the same sources uncompiled (Cython's shadow module), as an install without a C
+compiler does, and check that both decide alike."""
 
 from __future__ import annotations
 
@@ -13,12 +13,18 @@ from types import ModuleType
 import kvplug.core.dense
 
 
+def plain_module(module: ModuleType) -> ModuleType:
+    """`module`'s ``.py`` source executed by the interpreter under another module name."""
+    source = Path(module.__file__ or "").with_name(module.__name__.rsplit(".", 1)[-1] + ".py")
+    name = module.__name__.replace(".", "_") + "_plain"
+    spec = importlib.util.spec_from_file_location(name, source)
+    assert spec is not None and spec.loader is not None
+    plain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plain)
+    assert not plain.COMPILED
+    return plain
+
+
 def plain_dense_module() -> ModuleType:
     """`kvplug/core/dense.py` executed by the interpreter under another module name."""
-    source = Path(kvplug.core.dense.__file__).with_name("dense.py")
-    spec = importlib.util.spec_from_file_location("kvplug_dense_plain", source)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert not module.COMPILED
-    return module
+    return plain_module(kvplug.core.dense)
