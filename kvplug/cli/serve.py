@@ -70,6 +70,7 @@ def server_ab(
     client: str = "kvplug",
     bench_args: str | None = None,
     python_core_arm: bool = False,
+    output_tokens: int | None = None,
 ) -> None:
     """Run the stock and kvplug servers of `engine` in turn (`repeat` rounds); print the
     table, write the files."""
@@ -84,6 +85,11 @@ def server_ab(
         raise click.BadParameter("applies to --engine sglang only", param_hint="--python-core-arm")
     if bench_args and client != "vllm-bench":
         raise click.BadParameter("applies to --client vllm-bench only", param_hint="--bench-args")
+    if output_tokens is not None and client != "kvplug":
+        raise click.BadParameter(
+            "applies to --client kvplug only (vLLM's client: --bench-args)",
+            param_hint="--output-tokens",
+        )
     path = check_model_dir(model, engine)
     extra = parse_kvplug_config(kvplug_config)
     if importlib.util.find_spec(engine) is None:
@@ -102,6 +108,7 @@ def server_ab(
         repeat=repeat,
         client=client,
         bench_args=parse_bench_args(bench_args),
+        output_tokens=output_tokens,
     )
     progress = None if quiet else (lambda message: click.echo(f"  {message}", err=True))
     arms = [server.stock_arm(), server.kvplug_arm(extra)]
@@ -177,6 +184,14 @@ def server_ab(
     default=None,
     help="--client vllm-bench: extra 'vllm bench serve' flags, one quoted string; they win "
     "over kvplug's defaults (e.g. '--prefix-repetition-num-prefixes 4').",
+)
+@click.option(
+    "--output-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Each answer's most tokens, for every request of --workload (default: the "
+    "workload's own, 16-24); 1 makes each request a prefill, as scoring and short-answer "
+    "traffic are.",
 )
 @click.option("--json", "json_path", default=None, help="Also write the results here.")
 @click.option("--plot", "plot_path", default=None, help="Default: kvplug-ab-ENGINE.png.")

@@ -86,6 +86,7 @@ class ABConfig:
     repeat: int = 1  # runs per arm, interleaved across arms
     client: str = "kvplug"  # or "vllm-bench": vLLM's own client (`kvplug.serving.vllm_bench`)
     bench_args: tuple[str, ...] = ()  # extra flags for vLLM's client
+    output_tokens: int | None = None  # each answer's most tokens; None: the workload's own
 
     @property
     def server_engine(self) -> Engine:
@@ -120,6 +121,7 @@ class ABResult:
             "workload_description": self.workload,
             "requests": self.config.requests,
             "concurrency": self.config.concurrency,
+            "output_tokens": self.config.output_tokens,
             "num_blocks": self.config.num_blocks,
             "block_size": self.config.block_size,
             "max_model_len": self.max_model_len,
@@ -178,7 +180,9 @@ def run_ab(
     workload: Workload | PrefixRepetition
     if config.client == "kvplug":
         count, tokenizer = load_token_counter(config.model)
-        workload = build_workload(config.workload, config.requests, config.seed, count)
+        workload = build_workload(
+            config.workload, config.requests, config.seed, count, config.output_tokens
+        )
         longest, described = workload.max_request_tokens, workload.describe()
     else:
         kv_tokens = config.num_blocks * config.block_size

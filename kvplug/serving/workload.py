@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvplug.errors import ConfigError
 
@@ -131,13 +131,21 @@ class _Text:
 
 
 def build_workload(
-    name: str, requests: int, seed: int = 0, count: TokenCounter = whitespace_tokens
+    name: str,
+    requests: int,
+    seed: int = 0,
+    count: TokenCounter = whitespace_tokens,
+    output_tokens: int | None = None,
 ) -> Workload:
-    """The workload `name` (one of `WORKLOADS`) with `requests` requests in all."""
+    """The workload `name` (one of `WORKLOADS`) with `requests` requests in all, each
+    answered with up to `output_tokens` tokens (default: the workload's own, 16 for a
+    system-prompt question and 24 for a chat turn; 1 makes each request a prefill)."""
     if name not in WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}; accepted: {', '.join(WORKLOADS)}")
     if requests < 1:
         raise ConfigError(f"a workload needs at least 1 request, got {requests}")
+    if output_tokens is not None and output_tokens < 1:
+        raise ConfigError(f"output tokens must be at least 1, got {output_tokens}")
     rng = random.Random(f"{name}:{seed}")
     text = _Text(rng, count)
     if name == "system-prompts":
@@ -148,7 +156,21 @@ def build_workload(
         singles = _system_prompts(text, requests - requests // 2)
         chats = _chats(text, requests // 2) if requests >= 2 else []
         conversations = _interleave(rng, singles, chats)
+    if output_tokens is not None:
+        conversations = [_answered_in(c, output_tokens) for c in conversations]
     return Workload(name, seed, tuple(conversations))
+
+
+def _answered_in(conversation: Conversation, output_tokens: int) -> Conversation:
+    """`conversation` with answers of up to `output_tokens` tokens (its prompt estimate
+    counts the earlier turns' answers at that length)."""
+    turns = len(conversation.messages)
+    shift = (turns - 1) * (output_tokens - conversation.max_tokens)
+    return replace(
+        conversation,
+        max_tokens=output_tokens,
+        prompt_tokens=max(0, conversation.prompt_tokens + shift),
+    )
 
 
 def _system_prompts(text: _Text, requests: int) -> list[Conversation]:

@@ -132,6 +132,20 @@ def test_multi_turn_prompts_grow_by_history() -> None:
     assert whitespace_tokens(full) <= chat.prompt_tokens
 
 
+@pytest.mark.parametrize("output_tokens", [1, 64])
+def test_output_tokens_bound_every_answer_and_the_estimates_follow(output_tokens: int) -> None:
+    own = build_workload("mixed", 60, seed=2)
+    workload = build_workload("mixed", 60, seed=2, output_tokens=output_tokens)
+    assert {c.max_tokens for c in workload.conversations} == {output_tokens}
+    for before, after in zip(own.conversations, workload.conversations, strict=True):
+        assert (before.prefix, before.messages) == (after.prefix, after.messages)
+        turns = len(after.messages)  # answers at the new length still fit the estimate
+        longest = after.prompt(turns - 1, [" x" * output_tokens] * turns)
+        assert whitespace_tokens(longest) <= after.prompt_tokens
+    with pytest.raises(ConfigError, match="output tokens must be at least 1, got 0"):
+        build_workload("mixed", 60, output_tokens=0)
+
+
 def test_mixed_interleaves_both_kinds() -> None:
     workload = build_workload("mixed", 60)
     kinds = [c.kind for c in workload.conversations]
@@ -806,3 +820,12 @@ def test_python_core_arm_sets_sglangs_core_and_is_sglang_only(tmp_path) -> None:
         main, ["bench", "serve", "--engine", "vllm", "--model", str(tmp_path), "--python-core-arm"]
     )
     assert result.exit_code == 2 and "--engine sglang only" in result.output
+
+
+def test_output_tokens_are_checked_and_refused_beside_vllms_client(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    base = ["bench", "serve", "--engine", "vllm", "--model", str(tmp_path)]
+    result = CliRunner().invoke(main, [*base, "--output-tokens", "0"])
+    assert result.exit_code == 2 and "--output-tokens" in result.output
+    result = CliRunner().invoke(main, [*base, "--output-tokens", "1", "--client", "vllm-bench"])
+    assert result.exit_code == 2 and "--client kvplug only" in result.output
