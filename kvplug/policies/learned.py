@@ -5,10 +5,12 @@ The ranking is `cost`'s GreedyDual rule, `L + credit` with `credit = (1 + w * mi
 (see `kvplug.policies.cost`). What `learned` adds is a referee, so that a workload the
 classes mislead never does worse than LRU:
 
-- Two shadow caches (`ShadowCache`) replay the same accesses and releases on a sample of
-  the keys (one in `2**sample_shift`, the largest power of two that leaves each shadow at
-  least `shadow_blocks` blocks), each with that share of the capacity. One ranks by the
-  learned credit, the other by release order (LRU).
+- Two shadow caches (`ShadowCache`, in the policy's `duel`: a
+  `kvplug.policies.shadow.ShadowDuel`, compiled where kvplug was built with a compiler)
+  replay the same accesses and releases on a sample of the keys (one in
+  `2**sample_shift`, the largest power of two that leaves each shadow at least
+  `shadow_blocks` blocks), each with that share of the capacity. One ranks by the learned
+  credit, the other by release order (LRU).
 - Each counts the prefill value of its hits, decayed by half every `window` sampled
   accesses (by default eight shadow capacities: short windows flip on noise). While the
   LRU shadow is ahead by more than `margin`, the real cache ranks new releases in release
