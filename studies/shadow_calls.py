@@ -2,8 +2,9 @@
 
 The dense core calls `ShadowDuel.access` for each sampled block cached or hit and
 `ShadowDuel.release` for each sampled block released (at 10k blocks in vLLM's step,
-about 80 and 60 calls a step). This times both calls on the build's module and on the
-same source run as plain Python, side by side, over the same keys, and the policy's own
+about 40 and 30 calls a step in a long run). This times both calls on the build's module
+and on the same source run as plain Python (whose shadows are `LazyShadowCache`), side
+by side, over the same keys, and the policy's own
 `shadow_access` (the generic core's path: the block's value looked up, then the duel).
 
     python studies/shadow_calls.py [--blocks 10000] [--keys 4000]

@@ -75,12 +75,8 @@ def _state(duel):
 
 
 def _check(shadow, capacity: int, accessed: bool) -> None:
-    """The invariants of `ShadowCache`'s doc."""
-    live = {
-        (rank, order, key)
-        for key, (rank, order) in ((k, r) for k, r in shadow.entries.items() if r is not None)
-    }
-    assert live <= set(shadow.heap)
+    """The invariants of `ShadowCache`'s doc (of `LazyShadowCache`'s, as plain Python)."""
+    shadow.check_invariants()
     if accessed and len(shadow.entries) > capacity:
         assert all(ranked is None for ranked in shadow.entries.values())
 
@@ -106,3 +102,24 @@ def test_a_key_held_by_a_request_is_never_evicted(shadow_module) -> None:
     shadow.release(b"a", 1.0)
     shadow.access(b"c", 1.0)  # now a goes, and b and c (held) stay
     assert set(shadow.entries) == {b"b", b"c"}
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS, st.integers(1, 5), st.booleans())
+def test_the_indexed_heap_evicts_what_a_lazy_heap_of_triples_would(
+    ops, capacity, by_credit
+) -> None:
+    """`ShadowCache` (compiled and plain) against `LazyShadowCache`, the duel's plain form."""
+    reference = MODULES[1].LazyShadowCache(capacity, by_credit)
+    shadows = [module.ShadowCache(capacity, by_credit) for module in MODULES]
+    for op, key, number in ops:
+        for shadow in (reference, *shadows):
+            getattr(shadow, op)(key, number)
+        reference.check_invariants()
+        for shadow in shadows:
+            shadow.check_invariants()
+            assert (shadow.entries, shadow.floor, shadow.saved) == (
+                reference.entries,
+                reference.floor,
+                reference.saved,
+            )
