@@ -21,7 +21,7 @@ ensure_core_env() {
 }
 
 ensure_vllm_env() {
-  if ! .venv-vllm/bin/python -c 'import vllm, kvplug, pytest, aiohttp, matplotlib' 2>/dev/null
+  if ! .venv-vllm/bin/python -c 'import vllm, kvplug, pytest, xdist, aiohttp, matplotlib' 2>/dev/null
   then
     step "creating .venv-vllm: kvplug with vLLM 0.32's CPU build (first run only, a few minutes)"
     python3 -m venv .venv-vllm
@@ -50,7 +50,7 @@ ensure_sglang_env() {
   if ! dpkg -s libssl-dev ninja-build >/dev/null 2>&1; then
     apt-get update -qq && apt-get install -y -qq libssl-dev ninja-build >/dev/null
   fi
-  if ! .venv-sglang/bin/python -c 'import sglang, kvplug, pytest' 2>/dev/null; then
+  if ! .venv-sglang/bin/python -c 'import sglang, kvplug, pytest, xdist' 2>/dev/null; then
     step "creating .venv-sglang: kvplug with SGLang 0.5.23 (first run only, a few minutes)"
     python3 -m venv .venv-sglang
     _pip .venv-sglang -e '.[dev]'
@@ -82,7 +82,7 @@ ensure_vllm_next_env() {
     step "installing torch 2.14.0 into .venv-vllm-next (first run only)"
     _pip .venv-vllm-next torch==2.14.0
   fi
-  if ! "$py" -c 'import transformers, zmq, msgspec, cbor2, xgrammar, openai_harmony, httpx, pytest, kvplug' \
+  if ! "$py" -c 'import transformers, zmq, msgspec, cbor2, xgrammar, openai_harmony, httpx, pytest, xdist, kvplug' \
       2>/dev/null; then
     step "installing vLLM's pure-Python imports and kvplug into .venv-vllm-next"
     _pip .venv-vllm-next -r requirements/vllm-next.txt -e '.[dev]'

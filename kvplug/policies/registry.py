@@ -80,6 +80,8 @@ def available_policies() -> list[str]:
 
 def policy_class(name: str) -> type[EvictionPolicy]:
     """The class registered under `name`."""
+    if name in _BUILTIN:  # (no scan of installed packages: a built-in is never shadowed)
+        return _BUILTIN[name]
     registry = _registry()
     if name not in registry:
         raise UnknownPolicyError(

@@ -3,12 +3,13 @@ state machine is `cache_machine.CacheMachine`, shared with the policies' suite).
 
 from __future__ import annotations
 
-from cache_machine import CacheMachine, prompts
-from hypothesis import given
+from cache_machine import MACHINE_EXAMPLES, CacheMachine, prompts
+from hypothesis import given, settings
 
 from kvplug.core.cache import KVCache
 
 TestCacheProperties = CacheMachine.TestCase
+TestCacheProperties.settings = settings(TestCacheProperties.settings, max_examples=MACHINE_EXAMPLES)
 
 
 @given(prompts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from importlib.metadata import EntryPoint
 
 import pytest
-from cache_machine import CacheMachine
+from cache_machine import MACHINE_EXAMPLES, CacheMachine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -205,8 +205,8 @@ def test_learned_falls_back_to_release_order_when_lru_s_shadow_wins() -> None:
 def _machine_under(policy: str):
     machine = type(f"CacheMachine_{policy}", (CacheMachine,), {"policy_name": policy})
     test = machine.TestCase
-    # Fewer sequences than the lru machine: the lifecycle code is shared, the ranking is not.
-    test.settings = settings(test.settings, max_examples=max(test.settings.max_examples // 5, 50))
+    # A tenth of the lru machine's sequences: the lifecycle code is shared, the ranking is not.
+    test.settings = settings(test.settings, max_examples=max(MACHINE_EXAMPLES // 10, 50))
     return test
 
 

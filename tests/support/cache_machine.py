@@ -12,9 +12,10 @@ its write would break one of these.
 from __future__ import annotations
 
 import hashlib
+import os
 
 import pytest
-from hypothesis import assume, event
+from hypothesis import assume, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -40,6 +41,12 @@ from kvplug.errors import (
 from kvplug.policies import EvictionPolicy, make_policy
 from kvplug.policies.offline.belady import BeladyPolicy
 from kvplug.policies.offline.rate_oracle import RateOraclePolicy
+
+# Sequences for the lifecycle machine under `lru` (the policies' suite runs a tenth of it
+# under each other policy): 10,000 in CI, the profile's count in a developer's run.
+MACHINE_EXAMPLES = (
+    10_000 if os.environ.get("HYPOTHESIS_PROFILE") == "ci" else settings().max_examples
+)
 
 BASES = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [7, 7, 7, 7, 7, 7])
 TENANTS = (Namespace(tenant="a"), Namespace(tenant="b"))
