@@ -16,6 +16,7 @@ step and its ratio to stock, and each build's evictions, which must agree for on
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import re
 import statistics
@@ -28,7 +29,18 @@ from pathlib import Path
 
 import kvplug.bench.vllm_step as current
 
-COMPILED_MODULES = ["kvplug/core/dense.py"]  # as setup.py's
+
+def _setup_compiled_modules() -> list[str]:
+    """The modules an install compiles: ``setup.py``'s `COMPILED_MODULES`."""
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "setup.py").read_text())
+    for node in tree.body:
+        named = isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "")
+        if named == "COMPILED_MODULES":
+            return list(ast.literal_eval(node.value))
+    raise RuntimeError("setup.py names no COMPILED_MODULES")
+
+
+COMPILED_MODULES = _setup_compiled_modules()
 SUBPACKAGES = r"vllm|policies|core|bench|config|errors|replay|hybrid|sglang|serving|tools|cli"
 SUBPACKAGES += r"|kernels|fleet"
 

@@ -437,6 +437,21 @@ class VictimHistory:
         index[2 * i + 1] = -1
 
 
+_RankBits = cython.union(rank=cython.double, bits=cython.ulonglong)
+
+
+@cython.cfunc
+def _rank_key(rank: cython.double) -> object:
+    """`kvplug.policies.entry.rank_key`, compiled: the bits of `rank` read in place."""
+    if not cython.compiled:
+        return rank_key(rank)
+    both = cython.declare(_RankBits)
+    both.rank = rank + 0.0  # (-0.0 as 0.0, as `rank_key` does)
+    if both.bits >> 63:
+        return ~both.bits
+    return both.bits | (cython.cast(cython.ulonglong, 1) << 63)
+
+
 @cython.cclass
 class DenseCostCore:
     """`EvictionCore` with `CostPolicy`'s ranking over blocks ``0 .. num_nodes - 1``
@@ -1501,7 +1516,7 @@ class DenseCostCore:
     def _inflate(self, rank: cython.double) -> cython.void:
         self.inflation = rank
         self.policy.inflation = rank
-        self.policy._inflation_key = rank_key(rank)
+        self.policy._inflation_key = _rank_key(rank)
 
     @cython.cfunc
     def _close(self, code: cython.int, reused: cython.bint) -> cython.void:

@@ -7,7 +7,8 @@ node records. Random operation sequences (caching chains, releases with what the
 releasing request knew, hits, reclaims, invalidations, evictions, another tier taking a
 copy and giving a block back) run on the generic core and on the dense core, both as
 built here (compiled where a compiler was found) and from its source run as plain
-Python: every victim, rank, learned tally and ghost must agree, and every invariant hold.
+Python: every victim, rank, learned tally and ghost, and the inflation and its sort key,
+must agree, and every invariant hold.
 """
 
 from __future__ import annotations
@@ -195,6 +196,7 @@ def test_the_dense_core_decides_as_the_generic_core(name, ops, tier_pricing):
                 core.restore_n(ids)
         expected = (
             generic.policy.inflation,
+            generic.policy._inflation_key,
             list(generic.policy._tried),
             list(generic.policy._reused),
             list(generic.policy._ghosts.items()),
@@ -207,6 +209,7 @@ def test_the_dense_core_decides_as_the_generic_core(name, ops, tier_pricing):
             core.check_invariants()
             found = (
                 policy.inflation,
+                policy._inflation_key,
                 list(policy._tried),
                 list(policy._reused),
                 core.history.ghost_items(),
