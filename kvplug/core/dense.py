@@ -84,7 +84,11 @@ class VictimHistory:
     linear probing, deletion by backward shift, at most half full; a hash match is
     confirmed against the ring's key, so a lookup is exact. It keeps the hashes in C
     arrays: a filing, a lookup or a deletion reads no key object but the one looked up
-    (a dict of the keys read each entry's key while it probed and deleted).
+    (a dict of the keys read each entry's key while it probed and deleted). The index is
+    sized by the entries filed, not by the ring (it doubles when it would pass half
+    full), and the ring by its live entries (it doubles when more than half its slots are
+    live at a compaction): a cache of many blocks keeps each lookup's random reads within
+    a table a quarter of the size a ring-sized index would be.
 
     Invariants (`check`): the index holds exactly the positions of the slots with flags,
     each under its key's hash; a key has at most one entry per record (flag); every
@@ -121,6 +125,7 @@ class VictimHistory:
         self.num_ghosts = 0
         self.num_recent = 0
         self._allocate(64)
+        self._allocate_index(64)
 
     # -- what a cache reports -------------------------------------------------------------
     @cython.ccall
@@ -215,6 +220,12 @@ class VictimHistory:
         return self._find(key, hash(key), _RECENT) >= 0
 
     # -- views ----------------------------------------------------------------------------
+    @property
+    def footprint(self) -> tuple[int, int]:
+        """(ring slots, index pairs): what it holds memory for. Each is at most four
+        times the most entries it has held (and at least 64)."""
+        return (self.mask + 1, self.index_mask + 1)
+
     def ghost_items(self) -> list[tuple[Any, int]]:
         """The ghosts, oldest first, as (key, value): an `OrderedDict`'s ``items()``."""
         return [
@@ -279,6 +290,9 @@ class VictimHistory:
             if flags & _RECENT and self._find(key, hashed, _RECENT) >= 0:
                 new &= ~_RECENT
         if new:  # an entry at the tail for the records the key is not in
+            if 2 * (self.num_filed + 1) > self.index_mask + 1:
+                self._allocate_index(2 * (self.index_mask + 1))
+                self._reindex()
             position: cython.longlong = self.tail
             slot: cython.Py_ssize_t = position & self.mask
             self.keys[slot] = key
@@ -323,11 +337,11 @@ class VictimHistory:
 
     @cython.cfunc
     def _make_room(self) -> cython.void:
-        """The ring is full. With more than a quarter of its slots live, the live slots
-        move to a ring twice as large, each at its own position; else they are refiled
-        in order from the tail on (new positions), in a ring as large. Either leaves at
-        least half the ring free, so a filing moves at most one entry, amortized; the
-        index is rebuilt for the new ring."""
+        """The ring is full. With more than half of its slots live, the live slots
+        move to a ring twice as large, each at its own position (the index, which holds
+        positions, stays as it is); else they are refiled in order from the tail on (new
+        positions), in a ring as large, and the index is rebuilt. Either leaves at least
+        half the ring free, so a filing moves at most one entry, amortized."""
         size: cython.Py_ssize_t = self.mask + 1
         low: cython.longlong = min(self.ghost_head, self.recent_head)
         p: cython.longlong
@@ -341,11 +355,12 @@ class VictimHistory:
         flags: cython.char[:] = self.flags
         values: cython.longlong[:] = self.values
         mask: cython.Py_ssize_t = self.mask
-        grow: cython.bint = 4 * live > size
+        grow: cython.bint = 2 * live > size
         self._allocate(2 * size if grow else size)
         at: cython.longlong = self.tail
         if not grow:
             self.ghost_head = self.recent_head = -1
+            self._allocate_index(self.index_mask + 1)
         for p in range(low, self.tail):
             slot = p & mask
             if not flags[slot]:
@@ -356,8 +371,8 @@ class VictimHistory:
             self.hashes[at & self.mask] = hashes[slot]
             self.flags[at & self.mask] = flags[slot]
             self.values[at & self.mask] = values[slot]
-            self._index_insert(hashes[slot], at)
             if not grow:
+                self._index_insert(hashes[slot], at)
                 if flags[slot] & _GHOST and self.ghost_head < 0:
                     self.ghost_head = at
                 if flags[slot] & _RECENT and self.recent_head < 0:
@@ -373,14 +388,26 @@ class VictimHistory:
 
     @cython.cfunc
     def _allocate(self, size: cython.Py_ssize_t) -> cython.void:
-        """An empty ring of `size` slots (a power of two) and an empty index for it."""
+        """An empty ring of `size` slots (a power of two); the index is left as it is."""
         self.keys = [None] * size
         self.hashes = array("q", [0]) * size
         self.flags = array("b", [0]) * size
         self.values = array("q", [0]) * size
         self.mask = size - 1
-        self.index = array("q", [0, -1]) * (2 * size)
-        self.index_mask = 2 * size - 1
+
+    @cython.cfunc
+    def _allocate_index(self, pairs: cython.Py_ssize_t) -> cython.void:
+        """An empty index of `pairs` (hash, position) pairs (a power of two)."""
+        self.index = array("q", [0, -1]) * pairs
+        self.index_mask = pairs - 1
+
+    @cython.cfunc
+    def _reindex(self) -> cython.void:
+        """File every live slot's position in the (empty) index."""
+        p: cython.longlong
+        for p in range(min(self.ghost_head, self.recent_head), self.tail):
+            if self.flags[p & self.mask]:
+                self._index_insert(self.hashes[p & self.mask], p)
 
     @cython.cfunc
     @cython.boundscheck(False)
@@ -1839,6 +1866,73 @@ def _held_by_another(
         if other != node and keys[other] == key:
             return True
     return False
+
+
+@cython.cfunc
+def _one_block_id(entries: dict, key: object) -> cython.int:
+    """The block an engine's map names first for `key` (-1: none), read from the map's
+    entries in each of vLLM's layouts (`kvplug.vllm.compat.map_entries`): a key's value
+    is its block, a dict of its blocks by block id, or its block id."""
+    found = entries.get(key)
+    if found is None:
+        return -1
+    if isinstance(found, int):
+        return found
+    if isinstance(found, dict):
+        for block_id in found:  # the first, as the map's own get_one_block takes it
+            return block_id
+        return -1
+    return found.block_id
+
+
+def is_held(entries: dict, copies: tuple, keys: list, key: object) -> bool:
+    """Whether some block holds `key` in an engine's map, as its pool accounts for it
+    (``keys[block] == key``): the block the map names first, or another
+    (`held_by_another`). `entries` and `copies` are the map's
+    (`kvplug.vllm.compat.map_entries`, `kvplug.vllm.compat.copy_index`)."""
+    node: cython.int = _one_block_id(entries, key)
+    if node < 0:
+        return False
+    held = keys[node]
+    if held is key or held == key:
+        return True
+    return _held_by_another(copies[0], copies[1], keys, key, node)
+
+
+def all_held(
+    entries: dict, copies: tuple, keys: list, positions: list, suffix: bytes, count: cython.int
+) -> bool:
+    """Whether ``position + suffix`` is held (`is_held`) for each of the first `count` of
+    `positions`: one group's blocks over a window."""
+    i: cython.Py_ssize_t
+    index: dict = copies[0]
+    values: cython.bint = copies[1]
+    node: cython.int
+    for i in range(min(count, len(positions))):
+        key = positions[i] + suffix
+        node = _one_block_id(entries, key)
+        if node < 0:
+            return False
+        held = keys[node]
+        if held is not key and held != key and not _held_by_another(index, values, keys, key, node):
+            return False
+    return True
+
+
+def holders_at(entries: dict, keys: list, position: bytes, suffixes: list, skip: object) -> list:
+    """For each of `suffixes` in order, the block holding ``position + suffix`` as the
+    pool accounts for it, where the map's first block for that key does (keys other than
+    `skip`): the blocks of the other groups at one position."""
+    found: list = []
+    node: cython.int
+    for suffix in suffixes:
+        other = position + suffix
+        if other == skip:
+            continue
+        node = _one_block_id(entries, other)
+        if node >= 0 and keys[node] == other:
+            found.append(node)
+    return found
 
 
 @cython.cfunc

@@ -54,9 +54,9 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvplug.core.dense import held_by_another
+from kvplug.core.dense import all_held, held_by_another, holders_at, is_held
 from kvplug.core.groups import GroupKind
-from kvplug.vllm.compat import copy_index
+from kvplug.vllm.compat import copy_index, map_entries
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -167,6 +167,11 @@ class HybridRules:
             _suffix(g) for g, kind in self.group_kinds.items() if kind is GroupKind.SLIDING_WINDOW
         ]
         self._suffix_windows = [(_suffix(group), window) for group, window in self.windows.items()]
+        self._widest = max(self.windows.values(), default=0)
+        # the hash suffixes of the groups whose victims retire other groups' blocks
+        self._retiring_suffixes = {
+            _suffix(g) for g, kind in self.group_kinds.items() if kind in RETIRING_KINDS
+        }
         self._full_suffixes = full if self.windows else set()
         # each group's class in a release, by group id (`BlockNodes.release_hybrid`)
         classes = [OTHER] * (max(self.group_kinds, default=0) + 1)
@@ -303,24 +308,17 @@ class HybridRules:
         would not otherwise see); see the README."""
         keys = self._keys
         key = keys[victim]
-        if self.group_kinds.get(int.from_bytes(key[-4:], "big")) not in RETIRING_KINDS:
+        if key[-4:] not in self._retiring_suffixes:
             return []
         if self.windows and self._cached_elsewhere(key, victim):
             return []  # another copy still serves the position
-        position = key[:-4]
-        lookup = self.pool.cached_block_hash_to_block.get_one_block
         nodes = self.nodes
-        found = []
-        for suffix in self._sliding_suffixes:
-            other = position + suffix
-            if other == key:
-                continue
-            block = lookup(other)
-            if block is not None and keys[block.block_id] == other:
-                node = block.block_id
-                if nodes.is_evictable(node):
-                    found.append((node, nodes.serial_of(node), key))
-        return found
+        entries = map_entries(self.pool.cached_block_hash_to_block)
+        return [
+            (node, nodes.serial_of(node), key)
+            for node in holders_at(entries, keys, key[:-4], self._sliding_suffixes, key)
+            if nodes.is_evictable(node)
+        ]
 
     def _retire_dead_parent(self, victim: int) -> None:
         """When full-attention `victim` goes, its parent may become a leaf that ends a
@@ -331,13 +329,15 @@ class HybridRules:
         if parent < 0 or nodes.cached_children(parent) != 1 or not nodes.is_evictable(parent):
             return
         hashes, node = [], parent
-        for _ in range(min(max(self.windows.values()), nodes.depth_of(parent) + 1)):
+        for _ in range(min(self._widest, nodes.depth_of(parent) + 1)):
             if node < 0:
                 return  # cannot tell
             hashes.append(keys[node][:-4])
             node = nodes.live_parent(node)
+        hash_map = self.pool.cached_block_hash_to_block
+        entries, copies = map_entries(hash_map), copy_index(hash_map)
         for suffix, window in self._suffix_windows:
-            if not all(self._is_cached(position + suffix) for position in hashes[:window]):
+            if not all_held(entries, copies, keys, hashes, suffix, window):
                 self.retiring.append((parent, nodes.serial_of(parent), keys[victim]))
                 return
 
@@ -345,10 +345,8 @@ class HybridRules:
     def _is_cached(self, key: Any) -> bool:
         """Whether a block holds `key` as the pool accounts for it (vLLM's map keeps a
         victim's hash until the block is handed out)."""
-        block = self.pool.cached_block_hash_to_block.get_one_block(key)
-        if block is None:
-            return False
-        return self._keys[block.block_id] == key or self._cached_elsewhere(key, block.block_id)
+        hash_map = self.pool.cached_block_hash_to_block
+        return is_held(map_entries(hash_map), copy_index(hash_map), self._keys, key)
 
     def _cached_elsewhere(self, key: Any, block_id: int) -> bool:
         """Whether a block other than `block_id` holds `key` (vLLM caches duplicates; its

@@ -87,6 +87,14 @@ def copy_index(hash_map: Any) -> tuple[dict[Any, Any], bool]:
     return hash_map._cache, True
 
 
+def map_entries(hash_map: Any) -> dict[Any, Any]:
+    """`hash_map`'s entries as compiled code reads them (`kvplug.core.dense.is_held`): a
+    key's value is its block or a dict of its blocks by id (up to 0.33), or its block
+    id (0.34+)."""
+    entries: dict[Any, Any] = hash_map._cache
+    return entries
+
+
 def cached_items(hash_map: Any) -> Iterator[tuple[Any, list[KVCacheBlock]]]:
     """``(key, blocks)`` for every key of `hash_map`."""
     for key in list(hash_map._cache):

@@ -296,3 +296,68 @@ def test_a_copy_is_held_by_another_block_only_where_that_block_holds_the_key(mod
     keys[1] = None  # block 1 no longer holds it as the pool accounts for it
     for copies in (old_layout, new_layout):
         assert not module.held_by_another(copies, keys, key, 0)
+
+
+class _Block:
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+
+
+def _layouts(holders: dict[bytes, list[int]]) -> list[tuple[dict, tuple]]:
+    """vLLM's map holding `holders` (each key's block ids, the first named first) as
+    ``(entries, copies)`` in both layouts: 0.32/0.33 (a key maps to its block, or to a
+    dict of its blocks by id) and 0.34 (to its first block's id; copies apart)."""
+    old = {
+        key: _Block(ids[0]) if len(ids) == 1 else {i: _Block(i) for i in ids}
+        for key, ids in holders.items()
+    }
+    new = {key: ids[0] for key, ids in holders.items()}
+    duplicates = {key: dict.fromkeys(ids) for key, ids in holders.items() if len(ids) > 1}
+    return [(old, (old, True)), (new, (duplicates, False))]
+
+
+@pytest.mark.parametrize("module", [kvplug.core.dense, PLAIN])
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_the_map_reads_of_the_hybrid_rules_agree_with_the_maps_own_answers(module, data):
+    """`is_held`, `all_held` and `holders_at` answer as vLLM's map and the pool's keys
+    do (the first block the map names for a key, then any copy), in both layouts."""
+    positions = [b"p%d" % i for i in range(4)]
+    suffixes = [i.to_bytes(4, "big") for i in range(3)]
+    all_keys = [p + s for p in positions for s in suffixes]
+    num_blocks = 10
+    holders: dict[bytes, list[int]] = {}
+    for key in data.draw(st.lists(st.sampled_from(all_keys), unique=True)):
+        holders[key] = data.draw(
+            st.lists(st.integers(0, num_blocks - 1), min_size=1, max_size=3, unique=True)
+        )
+    keys = data.draw(
+        st.lists(
+            st.one_of(st.none(), st.sampled_from(all_keys)),
+            min_size=num_blocks,
+            max_size=num_blocks,
+        )
+    )
+
+    def held(key: bytes) -> bool:
+        ids = holders.get(key, [])
+        return bool(ids) and (keys[ids[0]] == key or any(keys[i] == key for i in ids[1:]))
+
+    for entries, copies in _layouts(holders):
+        for key in all_keys:
+            assert module.is_held(entries, copies, keys, key) == held(key)
+        for position in positions:
+            skip = position + suffixes[0]
+            expected = [
+                holders[position + s][0]
+                for s in suffixes
+                if position + s != skip
+                and position + s in holders
+                and keys[holders[position + s][0]] == position + s
+            ]
+            assert module.holders_at(entries, keys, position, suffixes, skip) == expected
+        for suffix in suffixes:
+            for count in range(len(positions) + 2):
+                expected_all = all(held(p + suffix) for p in positions[:count])
+                got = module.all_held(entries, copies, keys, positions, suffix, count)
+                assert got == expected_all

@@ -126,6 +126,35 @@ def test_the_ring_grows_and_compacts_with_its_records(module):
 
 
 @pytest.mark.parametrize("module", MODULES, ids=["built", "plain"])
+@settings(max_examples=25, deadline=None)
+@given(
+    ghost_capacity=st.integers(0, 300),
+    recent_capacity=st.integers(0, 300),
+    taken_every=st.integers(2, 9),
+    ghost_every=st.integers(1, 4),
+)
+def test_its_memory_follows_its_capacities(
+    module, ghost_capacity, recent_capacity, taken_every, ghost_every
+):
+    """Ring and index stay within four times the most entries it has held, however
+    long the history runs: the ring is sized by its live entries, not by the filings,
+    and the index by the entries, not by the ring."""
+    history = module.VictimHistory(ghost_capacity, recent_capacity)
+    most = 0
+    for i in range(6_000):
+        history.file(b"v%d" % i, i if i % ghost_every == 0 else -1, True)
+        while history.num_ghosts > ghost_capacity:
+            history.drop_oldest_ghost()
+        if i % taken_every == 0:
+            history.take_recent(b"v%d" % (i - 50))
+        most = max(most, history.num_ghosts + history.num_recent)
+        bound = max(64, 4 * (most + 1))
+        ring, index = history.footprint
+        assert ring <= bound and index <= bound, (i, history.footprint, bound)
+    history.check()
+
+
+@pytest.mark.parametrize("module", MODULES, ids=["built", "plain"])
 def test_new_keys_are_counted_against_the_keys_before(module):
     """`count_new_keys` counts the blocks just given a key and, of those keys, the recent
     victims' (which leave the record); with the keys before (a block may hold a partial
