@@ -495,6 +495,8 @@ class DenseFreeQueue(PolicyFreeQueue):
         """`PolicyFreeQueue.append_n`. A request's release (no tier involved, every hash
         the one its block was cached under: the usual case) goes to the dense core in one
         pass; anything else through `DenseCostPool.on_free_n`."""
+        if not blocks:  # vLLM calls it on every free, with or without blocks
+            return
         pool = self.pool
         caching = pool.enable_caching
         if held_elsewhere or pool._tier_copies or not caching:
@@ -527,6 +529,8 @@ class DenseFreeQueue(PolicyFreeQueue):
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """`PolicyFreeQueue.prepend_n`: blocks holding no hash to the front of the fresh
         list, in one compiled pass; cached ones (another tier holds them) as that does."""
+        if not blocks:  # vLLM calls it on every free, with or without blocks
+            return
         if not self.pool.enable_caching:
             self.core.push_fresh(list(blocks), True)
             return
