@@ -23,7 +23,9 @@ class PoolStats:
     saved_flops: float = 0.0  # prefill FLOPs of the matched prefixes
     block_hits: int = 0  # cached blocks reused by a request
     evictions: int = 0  # cached blocks evicted to make room
-    churn: int = 0  # evicted blocks cached again soon after (within a pool's worth)
+    # evicted blocks cached again soon after (within a pool's worth); above 2,048 blocks an
+    # estimate from a sample of the keys (`kvplug.core.dense.recent_sampling`)
+    churn: int = 0
     retired: int = 0  # evicted as dependents: their junction lost another group's block
     cached_blocks: int = 0  # gauge: blocks with a reusable hash
     bytes_held: int = 0  # gauge: bytes of those blocks
@@ -42,7 +44,8 @@ HELP = {
     "saved_flops": "Prefill FLOPs saved by prefix-cache hits (model estimate)",
     "block_hits": "Cached blocks reused by requests",
     "evictions": "Cached blocks evicted by kvplug's policy",
-    "churn": "Evicted blocks cached again within a pool's worth of evictions",
+    "churn": "Evicted blocks cached again within a pool's worth of evictions "
+    "(estimated from a sample of the keys in pools over 2,048 blocks)",
     "retired": "Hybrid models: blocks evicted because their junction lost another group's block",
     "cached_blocks": "Blocks holding reusable KV state",
     "bytes_held": "Bytes of KV cache holding reusable state",

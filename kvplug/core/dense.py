@@ -96,6 +96,10 @@ class VictimHistory:
     holds no ghost (recent) flag; ``num_ghosts`` and ``num_recent`` count the flags and
     stay within their capacities once a filing call returns.
 
+    With `recent_shift` the recent record keeps a sample of the victims: only keys whose
+    hash is a multiple of ``2**recent_shift`` are filed there or found there (a cache
+    counts each one found as that many; `recent_sampling` sizes it).
+
     As a mapping it is the recent record (what a pool's ``_evicted`` record of recent
     victims answers: ``history[key] = None``, ``pop``, ``len``, ``popitem``)."""
 
@@ -114,10 +118,14 @@ class VictimHistory:
     num_recent = cython.declare(cython.Py_ssize_t, visibility="readonly")
     ghost_capacity = cython.declare(cython.Py_ssize_t, visibility="readonly")
     recent_capacity = cython.declare(cython.Py_ssize_t, visibility="readonly")
+    recent_shift = cython.declare(cython.int, visibility="readonly")
+    recent_mask: cython.longlong
 
-    def __init__(self, ghost_capacity: int, recent_capacity: int) -> None:
+    def __init__(self, ghost_capacity: int, recent_capacity: int, recent_shift: int = 0) -> None:
         self.ghost_capacity = ghost_capacity
         self.recent_capacity = recent_capacity
+        self.recent_shift = recent_shift
+        self.recent_mask = (1 << recent_shift) - 1
         self.num_filed = 0
         self.tail = 0
         self.ghost_head = 0
@@ -133,15 +141,21 @@ class VictimHistory:
         """A victim's `key`: a ghost with value `ghost` (reuses << 10 | class code; -1:
         none), and with `recent` a recent victim's (if that record keeps any), whose
         oldest beyond capacity leave. The caller trims the ghosts
-        (`drop_oldest_ghost`), closing the dropped trials."""
+        (`drop_oldest_ghost`), closing the dropped trials. A key outside the recent
+        record's sample is filed as a ghost only."""
         flags: cython.char = 0
         if ghost >= 0:
             flags = _GHOST
+        hashed: cython.longlong = 0
         if recent and self.recent_capacity > 0:
-            flags |= _RECENT
+            hashed = hash(key)
+            if not hashed & self.recent_mask:
+                flags |= _RECENT
         if not flags:
             return
-        slot: cython.Py_ssize_t = self._file(key, flags)
+        if not flags & _RECENT:
+            hashed = hash(key)
+        slot: cython.Py_ssize_t = self._file(key, hashed, flags)
         if slot >= 0:
             self.values[slot] = ghost
         while self.num_recent > self.recent_capacity:
@@ -160,8 +174,12 @@ class VictimHistory:
 
     @cython.ccall
     def take_recent(self, key: object) -> cython.bint:
-        """`key` is cached again: whether it was a recent victim's (then it leaves)."""
-        position: cython.longlong = self._find(key, hash(key), _RECENT)
+        """`key` is cached again: whether it was a recent victim's (then it leaves); a
+        key outside the record's sample never was."""
+        hashed: cython.longlong = hash(key)
+        if hashed & self.recent_mask:
+            return False
+        position: cython.longlong = self._find(key, hashed, _RECENT)
         if position < 0:
             return False
         self.num_recent -= 1
@@ -217,9 +235,15 @@ class VictimHistory:
         return iter(self.recent_keys())
 
     def __contains__(self, key: object) -> bool:
-        return self._find(key, hash(key), _RECENT) >= 0
+        hashed: cython.longlong = hash(key)
+        return not hashed & self.recent_mask and self._find(key, hashed, _RECENT) >= 0
 
     # -- views ----------------------------------------------------------------------------
+    @property
+    def weight(self) -> int:
+        """The victims a key found in the recent record stands for: ``2**recent_shift``."""
+        return self.recent_mask + 1
+
     @property
     def footprint(self) -> tuple[int, int]:
         """(ring slots, index pairs): what it holds memory for. Each is at most four
@@ -261,6 +285,7 @@ class VictimHistory:
                 ghosts += 1
             if flags & _RECENT:
                 assert p >= self.recent_head, "a recent victim below its head"
+                assert not hash(self.keys[slot]) & self.recent_mask, "a recent key unsampled"
                 recent += 1
         assert len(set(filed.values())) == self.num_filed, "filed entries"
         for (key, flag), p in filed.items():
@@ -274,12 +299,11 @@ class VictimHistory:
 
     # -- internals ------------------------------------------------------------------------
     @cython.cfunc
-    def _file(self, key: object, flags: cython.char) -> cython.Py_ssize_t:
-        """`key` in the records of `flags` (a record holding it already keeps its place);
-        the slot of its ghost (-1: none)."""
+    def _file(self, key: object, hashed: cython.longlong, flags: cython.char) -> cython.Py_ssize_t:
+        """`key` (whose hash is `hashed`) in the records of `flags` (a record holding it
+        already keeps its place); the slot of its ghost (-1: none)."""
         if self.tail - min(self.ghost_head, self.recent_head) > self.mask:
             self._make_room()
-        hashed: cython.longlong = hash(key)
         ghost: cython.longlong = -1
         new: cython.char = flags
         if self.num_filed:
@@ -464,6 +488,20 @@ class VictimHistory:
         index[2 * i + 1] = -1
 
 
+# the fewest victims a sampled record of recent victims keeps (`recent_sampling`)
+RECENT_SAMPLE_FLOOR = 1024
+
+
+def recent_sampling(victims: int) -> tuple[int, int]:
+    """``(recent_capacity, recent_shift)`` of a `VictimHistory` recording the latest
+    `victims` victims as a sample of one key in ``2**recent_shift``: the largest power of
+    two that leaves at least `RECENT_SAMPLE_FLOOR` of them (every key below twice that).
+    A churn count from it is an estimate (each key found counts ``2**recent_shift``);
+    filing and looking up a key outside the sample reads only its hash."""
+    shift = max(0, (victims // RECENT_SAMPLE_FLOOR).bit_length() - 1)
+    return (victims >> shift, shift)
+
+
 _RankBits = cython.union(rank=cython.double, bits=cython.ulonglong)
 
 
@@ -622,7 +660,7 @@ class DenseCostCore:
         self.prices_tiers = policy.prices_tiers
         self.tiers_seen = False
         self.reload = 0.0
-        self.history = VictimHistory(policy._ghost_capacity, recent_capacity)
+        self.history = VictimHistory(policy._ghost_capacity, *recent_sampling(recent_capacity))
         self.by_depth = policy.value.by_depth
         self.classes = policy._classes
 
@@ -739,8 +777,9 @@ class DenseCostCore:
         chain), a run at a time (`insert_chain`), at the depth its key's token count
         (`tokens_attribute`; none: a whole block of `block_size`) puts it. Each key is
         noted in the cache's keys, and counted as churn if it was a recent victim's (it
-        leaves the history's recent record). Stops before the first object whose block
-        already has a key the cache accounts for, which the cache records itself. Returns
+        leaves the history's recent record; each counts the record's `weight`). Stops
+        before the first object whose block already has a key the cache accounts for,
+        which the cache records itself. Returns
         (where it stopped, the parent there, identities made, churn). With `loose`, none
         is below another (`insert_chain`)."""
         keys: list = self.keys
@@ -751,6 +790,7 @@ class DenseCostCore:
         depths: list = []
         recorded: cython.Py_ssize_t = 0
         churn: cython.Py_ssize_t = 0
+        weight: cython.Py_ssize_t = history.weight
         i: cython.Py_ssize_t
         node: cython.int
         depth: cython.int
@@ -770,7 +810,7 @@ class DenseCostCore:
                     parent = run[len(run) - 1]
                 return (i, parent, recorded, churn)
             if history.num_recent and history.take_recent(key):
-                churn += 1
+                churn += weight
             keys[node] = key
             tokens = getattr(item, tokens_name)
             depth = (block_size if tokens is None or tokens == 0 else tokens) // block_size - 1
@@ -1780,10 +1820,10 @@ def count_new_keys(
 ) -> tuple[int, int]:
     """Of ``objects[start:end]``, just given keys (attribute `name`; None: none): how many
     hold one, and how many of those keys were recent victims (each leaves `recent`, the
-    cache's record of recent victims: a re-cache, churn). With `before` (their keys before,
-    parallel), only a key that changed counts as given, and as held only where there was
-    none before. One compiled pass for an engine pool that keeps no identities (vLLM's
-    own queue under ``lru``)."""
+    cache's record of recent victims, and counts its `weight`: a re-cache, churn). With
+    `before` (their keys before, parallel), only a key that changed counts as given, and
+    as held only where there was none before. One compiled pass for an engine pool that
+    keeps no identities (vLLM's own queue under ``lru``)."""
     keyed: cython.Py_ssize_t = 0
     again: cython.Py_ssize_t = 0
     i: cython.Py_ssize_t
@@ -1799,7 +1839,7 @@ def count_new_keys(
                 keyed -= 1  # (counted below: it held one already)
         keyed += 1
         if recent.num_recent and recent.take_recent(key):
-            again += 1
+            again += recent.weight
     return (keyed, again)
 
 

@@ -54,7 +54,14 @@ from typing import Any, ClassVar
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
-from kvplug.core.dense import VictimHistory, count_keyed, count_new_keys, held_by_another, keys_of
+from kvplug.core.dense import (
+    VictimHistory,
+    count_keyed,
+    count_new_keys,
+    held_by_another,
+    keys_of,
+    recent_sampling,
+)
 from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.core.groups import GroupKind
 from kvplug.policies import make_policy
@@ -264,8 +271,9 @@ class KVPlugBlockPool(BlockPool):
         self._serials = count()
         self.releasing = Release()
         # the latest num_gpu_blocks victims' hashes, for churn: an ordered mapping whose
-        # values are None (a dense pool's is its core's, beside the ghost history)
-        self._evicted: VictimHistory = VictimHistory(0, self.num_gpu_blocks)
+        # values are None, of a sample of the keys in a large pool, each key found
+        # counting the record's weight (a dense pool's is its core's, beside the ghosts)
+        self._evicted: VictimHistory = VictimHistory(0, *recent_sampling(self.num_gpu_blocks))
         self.use_policy(policy or make_policy("lru" if not self.tracked else "cost"), PoolStats())
 
     @property
@@ -669,7 +677,7 @@ class KVPlugBlockPool(BlockPool):
         if self._keys[block.block_id] is not None:  # the block holds another hash now
             self.forget(block)
         if self._evicted.pop(key, 0) is None:
-            self.stats.churn += 1
+            self.stats.churn += self._evicted.weight
         self._keys[block.block_id] = key
         self._num_keys += 1
 
@@ -713,7 +721,7 @@ class KVPlugBlockPool(BlockPool):
                 continue
             # `_adopt` and `_record`, inlined
             if evicted.pop(key, 0) is None:
-                churn += 1
+                churn += evicted.weight
             keys[block_id] = key
             depth = (block._block_hash_num_tokens or size) // size - 1
             record = slots[block_id]
@@ -837,7 +845,7 @@ class ReleaseOrderPool(KVPlugBlockPool):
         if old is None and block._block_hash is not None:
             self._num_keys += 1
             if self._evicted.pop(block._block_hash, 0) is None:
-                self.stats.churn += 1
+                self.stats.churn += self._evicted.weight
         return key
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:

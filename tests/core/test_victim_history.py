@@ -18,17 +18,19 @@ MODULES = [kvplug.core.dense, plain_dense_module()]
 
 
 class Reference:
-    """The history's contract: a ghost `OrderedDict` and a recent one."""
+    """The history's contract: a ghost `OrderedDict` and a recent one, of the keys in
+    the recent record's sample (hash a multiple of ``2**recent_shift``)."""
 
-    def __init__(self, ghost_capacity: int, recent_capacity: int) -> None:
+    def __init__(self, ghost_capacity: int, recent_capacity: int, recent_shift: int = 0) -> None:
         self.ghost_capacity, self.recent_capacity = ghost_capacity, recent_capacity
+        self.mask = (1 << recent_shift) - 1
         self.ghosts: OrderedDict[bytes, int] = OrderedDict()
         self.recent: OrderedDict[bytes, None] = OrderedDict()
 
     def file(self, key: bytes, ghost: int, recent: bool) -> None:
         if ghost >= 0:
             self.ghosts[key] = ghost
-        if recent and self.recent_capacity > 0:
+        if recent and self.recent_capacity > 0 and not hash(key) & self.mask:
             self.recent[key] = None
             while len(self.recent) > self.recent_capacity:
                 self.recent.popitem(last=False)
@@ -66,10 +68,17 @@ operations = st.lists(
 
 @pytest.mark.parametrize("module", MODULES, ids=["built", "plain"])
 @settings(max_examples=200, deadline=None)
-@given(ops=operations, ghost_capacity=st.integers(0, 30), recent_capacity=st.integers(0, 30))
-def test_the_history_keeps_what_its_reference_keeps(module, ops, ghost_capacity, recent_capacity):
-    history = module.VictimHistory(ghost_capacity, recent_capacity)
-    reference = Reference(ghost_capacity, recent_capacity)
+@given(
+    ops=operations,
+    ghost_capacity=st.integers(0, 30),
+    recent_capacity=st.integers(0, 30),
+    recent_shift=st.sampled_from([0, 0, 1, 2]),
+)
+def test_the_history_keeps_what_its_reference_keeps(
+    module, ops, ghost_capacity, recent_capacity, recent_shift
+):
+    history = module.VictimHistory(ghost_capacity, recent_capacity, recent_shift)
+    reference = Reference(ghost_capacity, recent_capacity, recent_shift)
     for op in ops:
         if op[0] == "victim":
             _, key, ghost, recent = op
@@ -90,6 +99,7 @@ def test_the_history_keeps_what_its_reference_keeps(module, ops, ghost_capacity,
         assert history.ghost_items() == reference.ghost_items()
         assert history.recent_keys() == reference.recent_keys()
         assert len(history) == len(reference.recent)
+        assert history.weight == 1 << recent_shift
 
 
 @pytest.mark.parametrize("module", MODULES, ids=["built", "plain"])
@@ -176,3 +186,29 @@ def test_new_keys_are_counted_against_the_keys_before(module):
     assert b"a" not in history and b"c" not in history
     history[b"a"] = None
     assert module.count_new_keys(blocks, 0, 2, "key", history) == (2, 1)
+
+
+@pytest.mark.parametrize("module", MODULES, ids=["built", "plain"])
+def test_a_large_pools_record_of_recent_victims_is_a_sample_weighted_back(module):
+    """`recent_sampling` keeps every victim below twice its floor and, above, one key in
+    the largest power of two that leaves at least the floor; a churn count over the
+    sample, each key weighted back, estimates the exact one."""
+    floor = module.RECENT_SAMPLE_FLOOR
+    assert module.recent_sampling(2 * floor - 1) == (2 * floor - 1, 0)
+    assert module.recent_sampling(2 * floor) == (floor, 1)
+    assert module.recent_sampling(65_886) == (65_886 >> 6, 6)
+    victims, recached = 40_000, 12_000
+    exact = module.VictimHistory(0, victims)
+    sampled = module.VictimHistory(0, *module.recent_sampling(victims))
+    keys = [b"block %d" % i for i in range(victims)]
+    for key in keys:
+        exact.file(key, -1, True)
+        sampled.file(key, -1, True)
+    assert len(sampled) < len(exact) // 8
+    churn = [0, 0]
+    for key in keys[:recached]:
+        churn[0] += exact.take_recent(key) * exact.weight
+        churn[1] += sampled.take_recent(key) * sampled.weight
+    assert churn[0] == recached
+    assert abs(churn[1] - recached) < 0.15 * recached
+    sampled.check()
