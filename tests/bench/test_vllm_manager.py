@@ -61,7 +61,7 @@ def run(request: pytest.FixtureRequest, trace: Trace) -> Run:
 def test_report_structure(run: Run, trace: Trace) -> None:
     results, _ = run
     assert [r.arm for r in results] == [STOCK, "lru", "cost"]
-    assert [r.target for r in results] == [None, 1.10, 1.25]
+    assert [r.target for r in results] == [None, 1.05, 1.25]
     for r in results:
         assert r.fraction == FRACTION and r.num_blocks == results[0].num_blocks
         assert r.warmup_requests > 0 and r.timed_requests > 0
@@ -122,7 +122,7 @@ def test_cli_json(tmp_path: Path) -> None:
     args += ["--capacity-fractions", "0.1", "--rounds", "2", "--json", str(path)]
     result = CliRunner().invoke(bench, args)
     assert result.exit_code == 0, result.output
-    assert "stock" in result.output and "<=1.10x" in result.output
+    assert "stock" in result.output and "<=1.05x" in result.output
     data = json.loads(path.read_text())
     assert [(row["model"], row["arm"]) for row in data["results"]] == [
         ("full", STOCK),
