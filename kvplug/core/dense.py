@@ -1242,6 +1242,108 @@ class DenseCostCore:
             victims.append(node if objects is None else objects[node])
         return victims
 
+    def take_hybrid(
+        self, n: cython.Py_ssize_t, retiring: object, entries: dict, copies: tuple, rules: tuple
+    ) -> tuple:
+        """Up to `n` victims as a hybrid model's rules choose them
+        (`kvplug.vllm.anchors.HybridRules.next_victim`, which the record pool runs), each
+        removed and its key cleared: the cache's objects, and how many were retired
+        dependents. `retiring` is the rules' queue of ``(node, serial, needed key)``,
+        `entries` and `copies` the engine's map (`is_held`), `rules` the rules' group
+        facts (`HybridRules.victim_rules`). Stops short of `n` only where no victim is
+        left (the caller then falls back as the rules do)."""
+        keys: list = self.keys
+        objects = self.objects
+        victims: list = []
+        retired: cython.Py_ssize_t = 0
+        node: cython.int
+        while len(victims) < n:
+            if not retiring:
+                victims += self.take_first(n - len(victims), copies)
+                if len(victims) >= n:
+                    break
+            node, found = self._hybrid_victim(retiring, entries, copies, rules)
+            retired += found
+            if node < 0:
+                break
+            self._remove(node)
+            keys[node] = None
+            victims.append(node if objects is None else objects[node])
+        return (victims, retired)
+
+    @cython.cfunc
+    def _hybrid_victim(self, retiring: object, entries: dict, copies: tuple, rules: tuple) -> tuple:
+        """`HybridRules.next_victim` over this core: (the next victim or -1, whether it
+        is a retired dependent)."""
+        keys: list = self.keys
+        full: set = rules[2]
+        node: cython.int
+        while retiring:
+            node, serial, needed = retiring.popleft()
+            if is_held(entries, copies, keys, needed):
+                continue
+            if self.serial[node] == serial and self.evictable[node] and not self.children[node]:
+                if keys[node][-4:] in full:
+                    retiring.extend(self._dependents(node, entries, copies, rules))
+                    self._retire_dead_parent(node, entries, copies, rules, retiring)
+                return (node, 1)
+        while self.lane_size:
+            node = self._pop_first(copies)
+            if node >= 0:
+                return (node, 0)
+        if self.size == 0:
+            return (-1, 0)
+        node = self.heap[0]
+        self.chosen_serial = self.serial[node]
+        retiring.extend(self._dependents(node, entries, copies, rules))
+        if keys[node][-4:] in full:
+            self._retire_dead_parent(node, entries, copies, rules, retiring)
+        return (node, 0)
+
+    @cython.cfunc
+    def _dependents(self, victim: cython.int, entries: dict, copies: tuple, rules: tuple) -> list:
+        """`HybridRules.dependents` over this core."""
+        keys: list = self.keys
+        key = keys[victim]
+        retiring_suffixes: set = rules[1]
+        if key[-4:] not in retiring_suffixes:
+            return []
+        if rules[5] and _held_by_another(copies[0], copies[1], keys, key, victim):
+            return []
+        found: list = []
+        node: cython.int
+        for node in holders_at(entries, keys, key[:-4], rules[0], key):
+            if self.evictable[node]:
+                found.append((node, self.serial[node], key))
+        return found
+
+    @cython.cfunc
+    def _retire_dead_parent(
+        self, victim: cython.int, entries: dict, copies: tuple, rules: tuple, retiring: object
+    ) -> cython.void:
+        """`HybridRules._retire_dead_parent` over this core."""
+        keys: list = self.keys
+        parent: cython.int = self.parent[victim]
+        if parent < 0 or self.serial[parent] != self.parent_serial[victim]:
+            return
+        if self.children[parent] != 1 or not self.evictable[parent]:
+            return
+        widest: cython.int = rules[4]
+        hashes: list = []
+        node: cython.int = parent
+        above: cython.int
+        _step: cython.int
+        for _step in range(min(widest, self.depth[parent] + 1)):
+            if node < 0:
+                return  # cannot tell
+            hashes.append(keys[node][:-4])
+            above = self.parent[node]
+            node = above if above >= 0 and self.serial[above] == self.parent_serial[node] else -1
+        for suffix, window in rules[3]:
+            if not all_held(entries, copies, keys, hashes, suffix, window):
+                retiring.append((parent, self.serial[parent], keys[victim]))
+                return
+
     @cython.cfunc
     def _pop_first(self, copies: tuple) -> cython.int:
         """Pop the queue's first entry: its node if it still goes first, else -1."""

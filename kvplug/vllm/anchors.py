@@ -173,6 +173,16 @@ class HybridRules:
             _suffix(g) for g, kind in self.group_kinds.items() if kind in RETIRING_KINDS
         }
         self._full_suffixes = full if self.windows else set()
+        # what a compiled core needs to choose victims as `next_victim` does
+        # (`kvplug.core.dense.DenseCostCore.take_hybrid`)
+        self.victim_rules = (
+            self._sliding_suffixes,
+            self._retiring_suffixes,
+            self._full_suffixes,
+            self._suffix_windows,
+            self._widest,
+            bool(self.windows),
+        )
         # each group's class in a release, by group id (`BlockNodes.release_hybrid`)
         classes = [OTHER] * (max(self.group_kinds, default=0) + 1)
         for group in self.windows:

@@ -40,7 +40,7 @@ from kvplug.policies.cost import CostPolicy
 from kvplug.policies.learned import LearnedPolicy
 from kvplug.vllm.anchors import HybridRules
 from kvplug.vllm.block_pool import BlockStanding, KVPlugBlockPool
-from kvplug.vllm.compat import TOUCH_COUNTS_NULL, copy_index
+from kvplug.vllm.compat import TOUCH_COUNTS_NULL, copy_index, map_entries
 from kvplug.vllm.free_queue import PolicyFreeQueue
 from kvplug.vllm.stats import PoolStats
 
@@ -310,26 +310,20 @@ class DenseCostPool(KVPlugBlockPool):
     def evict_n(self, n: int) -> list[KVCacheBlock]:
         """The dense core's next `n` victims, in order, forgotten and counted (the core
         clears their keys and notes them as recent victims, `on_evicted`'s work); a
-        hybrid model's rules choose them (`HybridRules.next_victim`), the run of victims
-        their evicted-first queue names in one compiled pass (`DenseCostCore.take_first`)
-        wherever no retiring block comes first."""
+        hybrid model's rules choose them as `HybridRules.next_victim` does, in one
+        compiled call over the rules' queues (`DenseCostCore.take_hybrid`)."""
         rules = self.rules
-        if rules is not None:
-            taken: list[KVCacheBlock] = []
-            blocks, keys, core = self.blocks, self._keys, self.core
-            remove, retiring = core.remove, rules.retiring
-            copies = copy_index(self.cached_block_hash_to_block)
-            while len(taken) < n:
-                if not retiring:  # the evicted-first queue's turn: in one compiled pass
-                    taken += core.take_first(n - len(taken), copies)
-                    if len(taken) == n:
-                        break
-                block_id = rules.next_victim()
-                if block_id < 0:  # unreachable while the child counts are exact
-                    block_id = self.free_block_queue.any_cached(taken).block_id
-                remove(block_id)
-                keys[block_id] = None
-                taken.append(blocks[block_id])
+        if rules is not None:  # the rules' choice, in one compiled call
+            hash_map = self.cached_block_hash_to_block
+            taken, retired = self.core.take_hybrid(
+                n, rules.retiring, map_entries(hash_map), copy_index(hash_map), rules.victim_rules
+            )
+            self.stats.retired += retired
+            while len(taken) < n:  # unreachable while the child counts are exact
+                block = self.free_block_queue.any_cached(taken)
+                self.core.remove(block.block_id)
+                self._keys[block.block_id] = None
+                taken.append(block)
             self._num_keys -= n
             self.stats.evictions += n  # (`on_evicted`)
             self._evicted.file_recent(taken, "_block_hash")
