@@ -146,15 +146,11 @@ class VictimHistory:
         flags: cython.char = 0
         if ghost >= 0:
             flags = _GHOST
-        hashed: cython.longlong = 0
-        if recent and self.recent_capacity > 0:
-            hashed = hash(key)
-            if not hashed & self.recent_mask:
-                flags |= _RECENT
+        hashed: cython.longlong = hash(key)  # (a key's hash is kept on the key)
+        if recent and self.recent_capacity > 0 and not hashed & self.recent_mask:
+            flags |= _RECENT
         if not flags:
             return
-        if not flags & _RECENT:
-            hashed = hash(key)
         slot: cython.Py_ssize_t = self._file(key, hashed, flags)
         if slot >= 0:
             self.values[slot] = ghost
