@@ -5,6 +5,7 @@ and as plain Python, through ring growth and compaction.
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 
 import pytest
@@ -192,7 +193,9 @@ def test_new_keys_are_counted_against_the_keys_before(module):
 def test_a_large_pools_record_of_recent_victims_is_a_sample_weighted_back(module):
     """`recent_sampling` keeps every victim below twice its floor and, above, one key in
     the largest power of two that leaves at least the floor; a churn count over the
-    sample, each key weighted back, estimates the exact one."""
+    sample, each key weighted back, estimates the exact one. (The keys are seeded integers,
+    whose hashes do not change between processes: with bytes keys, which Python hashes with a
+    per-process seed, the sample drawn and so the estimate would change from run to run.)"""
     floor = module.RECENT_SAMPLE_FLOOR
     assert module.recent_sampling(2 * floor - 1) == (2 * floor - 1, 0)
     assert module.recent_sampling(2 * floor) == (floor, 1)
@@ -200,7 +203,8 @@ def test_a_large_pools_record_of_recent_victims_is_a_sample_weighted_back(module
     victims, recached = 40_000, 12_000
     exact = module.VictimHistory(0, victims)
     sampled = module.VictimHistory(0, *module.recent_sampling(victims))
-    keys = [b"block %d" % i for i in range(victims)]
+    draw = random.Random(27)
+    keys = [draw.getrandbits(62) for _ in range(victims)]
     for key in keys:
         exact.file(key, -1, True)
         sampled.file(key, -1, True)
