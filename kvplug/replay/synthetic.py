@@ -12,6 +12,11 @@
 - ``conversations``: chats with conversation ids and turn numbers (as Alibaba's Bailian
   traces carry them): each turn resends the history, after a log-normal think time
   (median 30 s, long tail) or, one time in five, a long pause (median 10 minutes).
+- ``bursts``: a few hot system prompts asked all along (each request adding its own
+  question; session ``hot-K`` for prompt K), under floods of one-off long prompts, a
+  flood every minute or so, enough to wash a small cache out.
+- ``hot-prompts``: the same hot requests without the floods (the same seed gives the same
+  hot requests, ids and times), what the hot prompts' hits are without the bursts.
 - ``mixed``: the first three at once (the bundled trace).
 
 Blocks hold `BLOCK_TOKENS` tokens and get fresh ids for fresh content, so ids are
@@ -171,12 +176,53 @@ def conversations(
     return [r for r in out if r.arrival < duration]
 
 
+HOT_PROMPTS = 4
+HOT_SHARE = 0.5  # of the requests, without the floods
+
+
+def _hot_requests(
+    rng: random.Random, duration: float, rate: float, ids: _BlockIds
+) -> list[TraceRequest]:
+    """The hot stream of `bursts` and `hot-prompts`: `HOT_PROMPTS` system prompts of 8-16
+    blocks, equally popular, asked at `HOT_SHARE` of `rate`."""
+    prompts = [_Context() for _ in range(HOT_PROMPTS)]
+    for prompt in prompts:
+        prompt.extend(rng.randint(8, 16) * BLOCK_TOKENS, ids)
+    requests, now = [], 0.0
+    while (now := now + rng.expovariate(rate * HOT_SHARE)) < duration:
+        k = rng.randrange(HOT_PROMPTS)
+        context = _Context(list(prompts[k].blocks), prompts[k].tokens)
+        requests.append(
+            _request(context, rng.randint(50, 1500), ids, now, rng.randint(50, 300), f"hot-{k}")
+        )
+    return requests
+
+
+def hot_prompts(
+    rng: random.Random, duration: float, rate: float, ids: _BlockIds
+) -> list[TraceRequest]:
+    return _hot_requests(rng, duration, rate, ids)
+
+
+def bursts(rng: random.Random, duration: float, rate: float, ids: _BlockIds) -> list[TraceRequest]:
+    requests = _hot_requests(rng, duration, rate, ids)  # first: the same as `hot-prompts`
+    flood = 0.0
+    while (flood := flood + rng.uniform(40.0, 80.0)) < duration:
+        for _ in range(rng.randint(12, 24)):  # one-off long prompts, within seconds
+            at = flood + rng.uniform(0.0, 5.0)
+            tokens = rng.randint(16, 48) * BLOCK_TOKENS + rng.randint(0, BLOCK_TOKENS - 1)
+            requests.append(_request(_Context(), tokens, ids, at, rng.randint(20, 200)))
+    return [r for r in requests if r.arrival < duration]
+
+
 GENERATORS: dict[str, WorkloadGenerator] = {
     "system-prompts": system_prompts,
     "multi-turn": multi_turn,
     "agent-loop": agent_loop,
     "multi-adapter": multi_adapter,
     "conversations": conversations,
+    "bursts": bursts,
+    "hot-prompts": hot_prompts,
 }
 MIXED = ("system-prompts", "multi-turn", "agent-loop")
 

@@ -165,6 +165,35 @@ def test_synthetic_workloads_are_seeded_and_prefix_chained(name, tmp_path) -> No
     read_trace(write_trace(a, tmp_path / "s.jsonl"))
 
 
+def test_bursts_are_the_hot_prompts_under_floods_of_one_off_prompts() -> None:
+    """`bursts` holds exactly `hot-prompts`' requests (same ids and times) and, beside
+    them, floods of long prompts that share no block with any other request; the floods
+    cost `lru` hot-prompt hits in a small cache, and `cost` fewer."""
+    bursts = synthetic_trace("bursts", seed=2, duration=300)
+    calm = synthetic_trace("hot-prompts", seed=2, duration=300)
+    hot = [r for r in bursts.requests if r.session]
+    floods = [r for r in bursts.requests if not r.session]
+    assert hot == calm.requests and {r.session for r in hot} == {f"hot-{k}" for k in range(4)}
+    assert len(floods) >= 3 * 12 and min(r.input_length for r in floods) >= 16 * 512
+    uses = Counter(block for r in bursts.requests for block in set(r.hash_ids))
+    assert all(uses[block] == 1 for r in floods for block in r.hash_ids)
+
+    def hot_hits(trace: Trace, policy: str) -> int:
+        arm = KVPlugArm(policy, make_policy(policy), 128)
+        hits = 0
+        for job in make_jobs(trace, MODEL):
+            matched = arm.admit(job.index, [*job.prompt, job.sentinel], len(job.prompt))
+            assert matched is not None
+            hits += matched if trace.requests[job.index].session else 0
+            arm.finish(job.index, job.output_length)
+        return hits
+
+    lru_calm, lru_burst = hot_hits(calm, "lru"), hot_hits(bursts, "lru")
+    cost_calm, cost_burst = hot_hits(calm, "cost"), hot_hits(bursts, "cost")
+    assert lru_burst < 0.97 * lru_calm
+    assert cost_burst / cost_calm > lru_burst / lru_calm
+
+
 def test_unknown_synthetic_workload() -> None:
     with pytest.raises(KVPlugError, match="accepted: system-prompts, multi-turn, agent-loop"):
         synthetic_trace("chatbot")
