@@ -5,9 +5,10 @@ The synthetic `bursts` workload asks a few hot system prompts all along (session
 without the floods. For each arm and cache size (in blocks: the hot prompts themselves
 take 48 or so), the hot requests' hit ratio (prompt tokens served from the cache over
 their prompt tokens) in both, and its ratio (bursts over none): 1.0 means the floods cost
-the hot prompts nothing. Realistic mode; `belady` for the bound.
+the hot prompts nothing. Realistic mode, or one request at a time (``--sequential``);
+`belady` for the bound.
 
-    .venv/bin/python studies/hot_prompts_under_bursts.py --capacities 64,128,256,512
+    .venv/bin/python studies/hot_prompts_under_bursts.py --capacities 64,128,256,512 --sequential
 """
 
 from __future__ import annotations

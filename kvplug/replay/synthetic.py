@@ -180,11 +180,11 @@ HOT_PROMPTS = 4
 HOT_SHARE = 0.5  # of the requests, without the floods
 
 
-def _hot_requests(
+def hot_prompts(
     rng: random.Random, duration: float, rate: float, ids: _BlockIds
 ) -> list[TraceRequest]:
-    """The hot stream of `bursts` and `hot-prompts`: `HOT_PROMPTS` system prompts of 8-16
-    blocks, equally popular, asked at `HOT_SHARE` of `rate`."""
+    """`HOT_PROMPTS` system prompts of 8-16 blocks, equally popular, asked at `HOT_SHARE`
+    of `rate` (the hot stream `bursts` floods)."""
     prompts = [_Context() for _ in range(HOT_PROMPTS)]
     for prompt in prompts:
         prompt.extend(rng.randint(8, 16) * BLOCK_TOKENS, ids)
@@ -198,14 +198,8 @@ def _hot_requests(
     return requests
 
 
-def hot_prompts(
-    rng: random.Random, duration: float, rate: float, ids: _BlockIds
-) -> list[TraceRequest]:
-    return _hot_requests(rng, duration, rate, ids)
-
-
 def bursts(rng: random.Random, duration: float, rate: float, ids: _BlockIds) -> list[TraceRequest]:
-    requests = _hot_requests(rng, duration, rate, ids)  # first: the same as `hot-prompts`
+    requests = hot_prompts(rng, duration, rate, ids)  # first: the same hot requests
     flood = 0.0
     while (flood := flood + rng.uniform(40.0, 80.0)) < duration:
         for _ in range(rng.randint(12, 24)):  # one-off long prompts, within seconds
