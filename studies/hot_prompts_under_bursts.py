@@ -6,7 +6,8 @@ without the floods. For each arm and cache size (in blocks: the hot prompts them
 take 48 or so), the hot requests' hit ratio (prompt tokens served from the cache over
 their prompt tokens) in both, and its ratio (bursts over none): 1.0 means the floods cost
 the hot prompts nothing. Realistic mode, or one request at a time (``--sequential``);
-`belady` for the bound.
+`belady` for the bound. With ``--retain S``, each kvplug arm also runs as ``ARM+retain``:
+the hot requests ask to keep their prefix for S seconds (`KVCache.retain`).
 
     .venv/bin/python studies/hot_prompts_under_bursts.py --capacities 64,128,256,512 --sequential
 """
@@ -14,6 +15,7 @@ the hot prompts nothing. Realistic mode, or one request at a time (``--sequentia
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from kvplug.core.model_spec import load_model
 from kvplug.replay.loop import Timing, make_jobs, replay
@@ -58,17 +60,31 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefill-tps", type=float, default=20_000.0)
     parser.add_argument("--sequential", action="store_true", help="one request at a time")
+    parser.add_argument("--retain", type=float, default=0.0, help="hot prefixes kept S s")
     args = parser.parse_args()
     timing = Timing(prefill_tps=args.prefill_tps)
     with_bursts = synthetic_trace("bursts", seed=args.seed)
     without = synthetic_trace("hot-prompts", seed=args.seed)
-    print(f"{'blocks':>7} {'arm':>10} {'without':>8} {'bursts':>8} {'ratio':>6}")
+    runs = [(name, with_bursts, without) for name in args.arms.split(",")]
+    if args.retain:
+
+        def asking(trace: Trace) -> Trace:
+            hot = [replace(r, retain_s=args.retain) if r.session else r for r in trace.requests]
+            return replace(trace, requests=hot)
+
+        runs += [
+            (f"{name}+retain", asking(with_bursts), asking(without))
+            for name in args.arms.split(",")
+            if name != "belady"
+        ]
+    print(f"{'blocks':>7} {'arm':>12} {'without':>8} {'bursts':>8} {'ratio':>6}")
     for capacity in (int(c) for c in args.capacities.split(",")):
-        for name in args.arms.split(","):
-            calm = hot_hit_ratio(name, capacity, without, timing, args.sequential)
-            burst = hot_hit_ratio(name, capacity, with_bursts, timing, args.sequential)
+        for label, burst_trace, calm_trace in runs:
+            name = label.removesuffix("+retain")
+            calm = hot_hit_ratio(name, capacity, calm_trace, timing, args.sequential)
+            burst = hot_hit_ratio(name, capacity, burst_trace, timing, args.sequential)
             ratio = burst / calm if calm else float("nan")
-            print(f"{capacity:>7} {name:>10} {calm:>8.2%} {burst:>8.2%} {ratio:>6.3f}")
+            print(f"{capacity:>7} {label:>12} {calm:>8.2%} {burst:>8.2%} {ratio:>6.3f}")
         print()
 
 

@@ -14,7 +14,8 @@ modules; the one piece every one of them shares is the eviction core.
 | `ranked_set` | `RankedSet`: state evicted from any node (SWA, Mamba), by rank then recency |
 | `prefix_cache` | `PrefixCache`: lookups, publication and eviction order over the index |
 | `fences` | `StepClock`: steps, fences, writes and releases that wait for a fence |
-| `cache` | `KVCache`, the one mutating facade: tables, append, fork (copy-on-write), finish |
+| `retention` | `RetentionBook`: prefixes kept on request, per tenant, capped, expiring |
+| `cache` | `KVCache`, the one mutating facade: tables, append, fork, finish, retain |
 | `audit` | `check_invariants` and the `usage` gauges of a `KVCache` |
 | `events` | `BlockStored` / `BlockRemoved`, what a cache publishes about its index |
 | `groups` | `CacheGroupSpec`: full attention, sliding window or Mamba, sharing one pool |

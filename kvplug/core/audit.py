@@ -63,6 +63,14 @@ def _check_tables(cache: KVCache) -> Counter[int]:
                 parent = block.node.parent
                 assert parent is not None
                 assert (parent.block is None) if i == 0 else (parent.block is req.table[i - 1])
+    holds: Counter[int] = Counter()
+    for retention in cache.retention.live.values():  # a retention holds as a table does
+        holds.update(retention.blocks)
+        for block_id in retention.blocks:
+            assert cache.pool.blocks[block_id].state is not BlockState.FREE, retention
+    assert holds == cache.retention_holds, "retention holds out of step with the book"
+    tables.update(holds)
+    cache.retention.check_invariants()
     return tables
 
 

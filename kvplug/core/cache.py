@@ -23,7 +23,8 @@ Invariants (checked by `check_invariants`, see `kvplug.core.pool` for the states
 
 - every block is in exactly one state, and that state agrees with the free queue, the
   index and the block tables;
-- ``ref_cnt`` equals the number of tables holding the block plus one if it is indexed;
+- ``ref_cnt`` equals the number of tables and live retentions holding the block plus one
+  if it is indexed (a retention holds a finished request's prompt prefix: `retain`);
 - a request's table holds its whole chain: if a table holds an indexed block, the
   block's index ancestors are the table's earlier blocks. Hence every EVICTABLE block that
   no in-flight step pins can be evicted leaves first, and `num_reclaimable` is exact;
@@ -36,7 +37,9 @@ Every public method either completes or raises with the cache unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -49,6 +52,7 @@ from kvplug.core.keys import DEFAULT_HASH, BlockHasher, BlockKey, MMFeature, Nam
 from kvplug.core.metrics import CacheMetrics, Usage
 from kvplug.core.pool import Block, BlockPool, BlockState
 from kvplug.core.prefix_cache import PrefixCache
+from kvplug.core.retention import Retention, RetentionBook
 from kvplug.errors import (
     CapacityError,
     ConfigError,
@@ -110,6 +114,10 @@ class KVCache:
         pool, group: share one `BlockPool` between several caches, one per group.
         event_sink: called with a `BlockStored` or `BlockRemoved` each time a block enters
             or leaves the prefix index (what vLLM publishes as KV events).
+        retention: the book of retentions (`retain`); by default each tenant may retain
+            a quarter of the blocks.
+        clock: seconds, for retention times (default `time.monotonic`; a replay passes
+            its own clock).
     """
 
     def __init__(
@@ -127,6 +135,8 @@ class KVCache:
         group: int = 0,
         spec: CacheGroupSpec | None = None,
         event_sink: EventSink | None = None,
+        retention: RetentionBook | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ConfigError(f"block_size must be an integer >= 1, got {block_size!r}")
@@ -162,6 +172,9 @@ class KVCache:
         )
         self.clock: StepClock[Request] = StepClock()
         self.requests: dict[RequestId, Request] = {}
+        self.retention = retention if retention is not None else RetentionBook(len(self.pool) // 4)
+        self.now = clock
+        self.retention_holds: Counter[int] = Counter()  # block id -> live retentions of it
 
     @classmethod
     def from_config(
@@ -430,6 +443,81 @@ class KVCache:
 
     cancel = finish
 
+    # ------------------------------------------------------------------ retention
+
+    def retain(
+        self, req_id: RequestId, seconds: object, *, tenant: str | None = None
+    ) -> Retention | None:
+        """Keep `req_id`'s cached prompt prefix for `seconds` (call it before `finish`):
+        its prompt's leading indexed blocks are held, as a request holds them, until the
+        retention ends (`kvplug.core.retention`: it expires, its tenant's cap needs room,
+        or nothing else is left to evict: `make_room`). The tenant is the request's
+        namespace's unless named. Returns the retention, or None when nothing is retained
+        (no indexed prompt block, or more than the tenant's cap); never fails for room.
+        A bad `seconds` raises `ConfigError`, changing nothing."""
+        req = self._get(req_id)
+        self.expire_retentions()
+        blocks = []
+        for block in req.table[: req.prompt_len // self.block_size]:
+            if block.node is None:
+                break
+            blocks.append(block.block_id)
+        who = req.namespace.tenant if tenant is None else tenant
+        retention, lapsed = self.retention.retain(who, blocks, seconds, self.now())
+        if retention is not None:
+            for block_id in retention.blocks:
+                self.pool.blocks[block_id].ref_cnt += 1
+                self.retention_holds[block_id] += 1
+        for ended in lapsed:
+            self._release_retention(ended)
+        return retention
+
+    def expire_retentions(self) -> int:
+        """End the retentions whose time has passed; returns how many ended."""
+        ended = self.retention.expire(self.now())
+        for retention in ended:
+            self._release_retention(retention)
+        return len(ended)
+
+    def make_room(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` blocks can be had now (`num_reclaimable`), ending expired
+        retentions and then, if that is not enough and would be with them, the oldest
+        live ones (a retained block goes only when nothing else can)."""
+        self.expire_retentions()
+        if self.num_reclaimable >= num_blocks:
+            return True
+        if self.num_reclaimable + self.num_retained_only < num_blocks:
+            return False
+        while self.num_reclaimable < num_blocks:
+            retention = self.retention.lapse_oldest()
+            if retention is None:
+                break
+            self._release_retention(retention)
+        return self.num_reclaimable >= num_blocks
+
+    @property
+    def num_retained_only(self) -> int:
+        """Blocks that only retentions hold, and no step pins: reclaimable once they end."""
+        blocks = self.pool.blocks
+        return sum(
+            1
+            for block_id, holds in self.retention_holds.items()
+            if blocks[block_id].ref_cnt - (blocks[block_id].node is not None) == holds
+            and not self.clock.busy(blocks[block_id])
+        )
+
+    def _release_retention(self, retention: Retention) -> None:
+        """Let go of `retention`'s holds, tail first, as `finish` lets go of a table."""
+        for block_id in reversed(retention.blocks):
+            block = self.pool.blocks[block_id]
+            block.ref_cnt -= 1
+            self.retention_holds[block_id] -= 1
+            if not self.retention_holds[block_id]:
+                del self.retention_holds[block_id]
+            if block.ref_cnt - (block.node is not None) == 0:
+                block.released_at_fence = self.last_fence
+                self._settle(block)
+
     # ------------------------------------------------------------------ steps
 
     def next_step(self) -> int:
@@ -527,15 +615,21 @@ class KVCache:
         return block
 
     def _reserve(self, num_blocks: int) -> None:
-        """Make `num_blocks` free blocks available, evicting if needed, or raise unchanged."""
+        """Make `num_blocks` free blocks available, evicting if needed (retained blocks
+        only when nothing else is left: `make_room`), or raise unchanged."""
+        if self.retention.live:  # an expired retention's blocks are the policy's again
+            self.expire_retentions()
         missing = num_blocks - self.pool.num_free
         if missing <= 0:
             return
-        if missing > self.prefix.num_evictable:
+        if missing > self.prefix.num_evictable and not self.make_room(num_blocks):
             raise OutOfBlocksError(
                 f"need {num_blocks} blocks: {self.pool.num_free} free and "
                 f"{self.prefix.num_evictable} evictable; the rest are in use or awaiting a fence"
             )
+        missing = num_blocks - self.pool.num_free  # (an ended retention may have freed some)
+        if missing <= 0:
+            return
         evicted = self.evict(missing)
         assert evicted == missing, "policy candidates out of step with reclaimable blocks"
 

@@ -240,6 +240,12 @@ class _SampledArm(CacheArm):
     def finish(self, req_id: int, output_tokens: int = 0) -> None:
         self.arm.finish(req_id, output_tokens)
 
+    def advance(self, now: float) -> None:
+        self.arm.advance(now)
+
+    def retain(self, req_id: int, seconds: float) -> bool:
+        return self.arm.retain(req_id, seconds)
+
     def stats(self) -> ArmStats:
         return self.arm.stats()
 

@@ -43,6 +43,7 @@ class Job:
     sentinel: int  # a fresh id that sequential mode appends to the lookup
     prefix_flops: list[float]  # prefix_flops[k]: prefill FLOPs of the first k units
     total_flops: float
+    retain_s: float = 0.0  # its prompt's prefix kept this long after it ends (0: not asked)
 
 
 AdmitHook = Callable[[Job], None]  # called before each lookup; `belady` uses it as its clock
@@ -79,6 +80,7 @@ def make_jobs(trace: Trace, model: ModelSpec) -> list[Job]:
                 sentinel=fresh,
                 prefix_flops=list(accumulate(block_flops, initial=0.0)),
                 total_flops=model.prefill_flops(0, request.input_length),
+                retain_s=request.retain_s,
             )
         )
         fresh += 1
@@ -162,6 +164,7 @@ def _replay_sequential(
     on_admit: AdmitHook | None,
 ) -> None:
     for job in jobs:
+        arm.advance(job.arrival)
         if on_admit:
             on_admit(job)
         matched = arm.admit(job.index, [*job.prompt, job.sentinel], len(job.prompt))
@@ -169,6 +172,8 @@ def _replay_sequential(
             counters.record_rejection(job)
             continue
         counters.record_admission(job, matched, block_tokens, arm)
+        if job.retain_s:
+            arm.retain(job.index, job.retain_s)
         arm.finish(job.index, job.output_length)
 
 
@@ -230,6 +235,7 @@ class RealisticReplay:
 
     def handle(self, event: Event) -> None:
         """Run one event taken off `events`."""
+        self.arm.advance(event.at)
         if event.kind == EventKind.ARRIVE:
             self.arrive(event.job, event.at)
         elif self.running.get(event.job) != event.run_id:
@@ -237,7 +243,10 @@ class RealisticReplay:
         elif event.kind == EventKind.GROW:
             self.grow(event.job, event.at)
         else:
-            self.arm.finish(event.job, self.jobs[event.job].output_length)
+            job = self.jobs[event.job]
+            if job.retain_s:
+                self.arm.retain(event.job, job.retain_s)
+            self.arm.finish(event.job, job.output_length)
             del self.running[event.job]
             self.admit_waiting(event.at)
 

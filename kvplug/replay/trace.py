@@ -62,6 +62,7 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
     session: str = ""  # conversation or chat id, when the trace has one
     turn: int = 0  # the request's turn in its conversation (1 = first), when known
+    retain_s: float = 0.0  # seconds its prompt's prefix is asked to be kept (0: not asked)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ written only through the copies and appends the cache asks for. After every step
 live request's blocks must hold exactly its tokens, every lookup must return blocks
 holding exactly the prompt's tokens, and no block handed out may have been touched by a
 step that has not been fenced. A block shared wrongly, recycled early or published before
-its write would break one of these.
+its write would break one of these. Retentions (`KVCache.retain`) hold a finished
+request's prefix: while one is live its blocks stay cached and matchable, and none is
+ended for room unless the room is then had.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from hypothesis.stateful import (
 from kvplug.core.cache import KVCache
 from kvplug.core.keys import Namespace
 from kvplug.core.pool import BlockState
+from kvplug.core.retention import RetentionBook
 from kvplug.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -82,14 +85,20 @@ class CacheMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([1, 2, 2, 3, 4, 4]),
         caching=st.booleans(),
         max_model_len=st.sampled_from([None, 24]),
+        retention_cap=st.integers(0, 12),
     )
-    def setup(self, num_blocks: int, block_size: int, caching: bool, max_model_len) -> None:
+    def setup(
+        self, num_blocks: int, block_size: int, caching: bool, max_model_len, retention_cap: int
+    ) -> None:
+        self.now = 0.0
         self.cache = KVCache(
             num_blocks,
             block_size,
             policy=self.make_policy(),
             enable_prefix_caching=caching,
             max_model_len=max_model_len,
+            retention=RetentionBook(retention_cap),
+            clock=lambda: self.now,
         )
         self.bs = block_size
         self.content: dict[int, list[int]] = {}  # block id -> tokens written into it
@@ -170,13 +179,63 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(req_id=requests, tokens=st.lists(st.integers(0, 3), min_size=1, max_size=5))
     def append(self, req_id: str, tokens: list[int]) -> None:
         assume(req_id in self.tokens)
+        self.cache.expire_retentions()
         before = self.cache.num_reclaimable
+        retained = self.cache.num_retained_only
         needed = self.cache.blocks_needed(req_id, len(tokens))
         ok = self._append(req_id, tokens)
         if not ok:
             assert self.cache.num_reclaimable == before
         else:
-            assert needed <= before
+            assert needed <= before + retained
+            if needed > before:
+                event("a retention ended for room")
+
+    @rule(
+        req_id=consumes(requests),
+        seconds=st.sampled_from([0.5, 2.0, 10.0]),
+        tenant=st.sampled_from([None, "a", "b"]),
+    )
+    def retain_and_finish(self, req_id: str, seconds: float, tenant) -> None:
+        assume(req_id in self.tokens)
+        retention = self.cache.retain(req_id, seconds, tenant=tenant)
+        self.cache.finish(req_id)
+        del self.tokens[req_id]
+        if retention is None:
+            return
+        event("retained")
+        for block_id in retention.blocks:  # held: cached, and no policy may take it
+            block = self.cache.pool.blocks[block_id]
+            assert block.node is not None and block.state is BlockState.PUBLISHED
+
+    @rule(
+        prompt=prompts,
+        tenant=st.sampled_from(TENANTS),
+        seconds=st.sampled_from([0.5, 2.0, 10.0]),
+    )
+    def run_and_retain(self, prompt: list[int], tenant: Namespace, seconds: float) -> None:
+        """A whole request, prefilled and fenced, that asks to keep its prefix."""
+        req_id = self.add(prompt, tenant, prefill=True, fence=True)
+        if req_id in self.tokens:
+            self.retain_and_finish(req_id, seconds, None)
+
+    @rule(seconds=st.sampled_from([0.25, 1.0, 5.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+        if self.cache.expire_retentions():
+            event("a retention expired")
+        assert all(r.until > self.now for r in self.cache.retention.live.values())
+
+    @rule(n=st.integers(1, 12))
+    def make_room(self, n: int) -> None:
+        self.cache.expire_retentions()
+        live = len(self.cache.retention)
+        if self.cache.make_room(n):
+            assert self.cache.num_reclaimable >= n
+            if len(self.cache.retention) < live:
+                event("retentions ended for room")
+        else:  # none ended in vain
+            assert self.cache.num_reclaimable < n and len(self.cache.retention) == live
 
     @rule(target=requests, req_id=requests)
     def fork(self, req_id: str):

@@ -91,6 +91,15 @@ class CacheArm(ABC):
     @abstractmethod
     def stats(self) -> ArmStats: ...
 
+    def advance(self, now: float) -> None:
+        """The replay's clock reads `now` (seconds): retention times are on it."""
+
+    def retain(self, req_id: int, seconds: float) -> bool:
+        """The running request asks that its prompt's cached prefix be kept for `seconds`
+        after it ends (called just before `finish`); whether anything is kept. The
+        engines' own caches cannot: they keep nothing."""
+        return False
+
 
 class KVPlugArm(CacheArm):
     """kvplug's own cache with one of its policies."""
@@ -103,11 +112,22 @@ class KVPlugArm(CacheArm):
         event_sink: EventSink | None = None,
     ) -> None:
         self.name = name
-        self.cache = KVCache(capacity_blocks, 1, policy=policy, event_sink=event_sink)
+        self.now = 0.0
+        self.cache = KVCache(
+            capacity_blocks, 1, policy=policy, event_sink=event_sink, clock=lambda: self.now
+        )
+
+    def advance(self, now: float) -> None:
+        self.now = now
+
+    def retain(self, req_id: int, seconds: float) -> bool:
+        return self.cache.retain(req_id, seconds) is not None
 
     def admit(self, req_id: int, prompt: list[int], compute: int) -> int | None:
         cache = self.cache
         nodes = cache.match(prompt)
+        if not cache.make_room(cache.admission_blocks(nodes, compute)):
+            return None
         if cache.admission_blocks(nodes, compute) > cache.num_reclaimable:
             return None
         cached = cache.add_request(req_id, prompt)
@@ -117,7 +137,7 @@ class KVPlugArm(CacheArm):
         return cached
 
     def grow(self, req_id: int, units: list[int]) -> bool:
-        if not self.cache.can_append(req_id, len(units)):
+        if not self.cache.make_room(self.cache.blocks_needed(req_id, len(units))):
             return False
         self.cache.append(req_id, units)
         self.cache.complete_step()
