@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import yaml
 from pydantic import (
@@ -29,6 +29,7 @@ from pydantic_core import ErrorDetails
 
 from kvplug import policies
 from kvplug.core.keys import DEFAULT_HASH, HASH_ALGORITHMS
+from kvplug.core.retention import RetentionBook
 from kvplug.errors import ConfigError, UnknownPolicyError
 
 if TYPE_CHECKING:
@@ -55,6 +56,35 @@ class NamespaceConfig(BaseModel):
     salt_kv_events: bool = False
 
 
+class RetentionConfig(BaseModel):
+    """What requests may ask the cache to keep after they end (``kvplug_retain_s``):
+    each tenant's cap, as a fraction of the cache (`cap_fraction`, or `tenant_caps` per
+    tenant), the longest time a request may ask for, and per-tenant defaults in seconds
+    for requests that ask for nothing (``""`` is the default tenant)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    cap_fraction: float = Field(default=0.25, ge=0.0, le=1.0)
+    tenant_caps: dict[str, Annotated[float, Field(ge=0.0, le=1.0)]] = Field(default_factory=dict)
+    max_seconds: float = Field(default=3600.0, gt=0.0)
+    default_seconds: dict[str, Annotated[float, Field(gt=0.0)]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _defaults_within_max(self) -> RetentionConfig:
+        for tenant, seconds in self.default_seconds.items():
+            if seconds > self.max_seconds:
+                raise ValueError(
+                    f"default_seconds[{tenant!r}] = {seconds:g} exceeds max_seconds "
+                    f"{self.max_seconds:g}"
+                )
+        return self
+
+    def book(self, num_blocks: int) -> RetentionBook:
+        """The `RetentionBook` of a cache of `num_blocks` blocks under these settings."""
+        caps = {tenant: int(f * num_blocks) for tenant, f in self.tenant_caps.items()}
+        return RetentionBook(int(self.cap_fraction * num_blocks), caps, self.max_seconds)
+
+
 class KVPlugConfig(BaseModel):
     """The whole kvplug configuration. Every field has a default."""
 
@@ -67,6 +97,7 @@ class KVPlugConfig(BaseModel):
     enable_prefix_caching: bool = True
     namespace: NamespaceConfig = Field(default_factory=NamespaceConfig)
     strict_version: bool = True  # refuse an untested engine version unless False
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)
 
     @field_validator("policy")
     @classmethod

@@ -27,10 +27,13 @@ class PoolStats:
     # estimate from a sample of the keys (`kvplug.core.dense.recent_sampling`)
     churn: int = 0
     retired: int = 0  # evicted as dependents: their junction lost another group's block
+    retentions: int = 0  # prompt prefixes kept after their request, as it asked
+    retentions_refused: int = 0  # asks not served (a bad value, or a model it cannot serve)
     cached_blocks: int = 0  # gauge: blocks with a reusable hash
     bytes_held: int = 0  # gauge: bytes of those blocks
     deferred_blocks: int = 0  # gauge: blocks freed but not yet returned (in-flight writes)
     deferred_age_steps: int = 0  # gauge: scheduler steps the oldest of those has waited
+    retained_blocks: int = 0  # gauge: blocks kept by live retentions
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,5 +54,8 @@ HELP = {
     "bytes_held": "Bytes of KV cache holding reusable state",
     "deferred_blocks": "Freed blocks held back until in-flight writes end",
     "deferred_age_steps": "Scheduler steps the oldest deferred release has waited",
+    "retentions": "Prompt prefixes kept after their request ended, as it asked (kvplug_retain_s)",
+    "retentions_refused": "Retention asks not served (a bad value, or a model it cannot serve)",
+    "retained_blocks": "Blocks kept by live retentions",
 }
-GAUGES = {"cached_blocks", "bytes_held", "deferred_blocks", "deferred_age_steps"}
+GAUGES = {"cached_blocks", "bytes_held", "deferred_blocks", "deferred_age_steps", "retained_blocks"}

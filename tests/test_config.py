@@ -13,7 +13,8 @@ from kvplug.errors import ConfigError
 from kvplug.policies import available_policies
 
 TOP_KEYS = (
-    "block_size, enable_prefix_caching, hash_algo, namespace, policy, policy_config, strict_version"
+    "block_size, enable_prefix_caching, hash_algo, namespace, policy, policy_config, retention, "
+    "strict_version"
 )
 
 
@@ -52,7 +53,24 @@ FULL = {
         "salt_kv_events": True,
     },
     "strict_version": False,
+    "retention": {
+        "cap_fraction": 0.5,
+        "tenant_caps": {"acme": 0.1},
+        "max_seconds": 600.0,
+        "default_seconds": {"": 30.0},
+    },
 }
+
+
+def test_retention_settings_give_each_tenant_its_cap_and_refuse_a_default_past_the_max() -> None:
+    book = KVPlugConfig.from_dict(FULL).retention.book(1000)
+    assert (book.cap_of("acme"), book.cap_of("other"), book.max_seconds) == (100, 500, 600.0)
+    with pytest.raises(ConfigError, match=r"default_seconds\['t'\] = 700 exceeds max_seconds 600"):
+        KVPlugConfig.from_dict(
+            {"retention": {"max_seconds": 600.0, "default_seconds": {"t": 700.0}}}
+        )
+    with pytest.raises(ConfigError, match=r"'retention.cap_fraction' = 1.5 is not accepted"):
+        KVPlugConfig.from_dict({"retention": {"cap_fraction": 1.5}})
 
 
 def test_from_dict_and_round_trip() -> None:

@@ -8,7 +8,9 @@ whose only differences are
   evictions (built by `kvplug.vllm.kv_cache_manager`, the one construction site);
 - each request's prefix keys carry kvplug's namespace (model revision, tokenizer and
   tenant) on top of what vLLM hashes already (LoRA, multimodal inputs, ``cache_salt``);
-- it keeps `PoolStats` and publishes them for ``/metrics``.
+- it keeps `PoolStats` and publishes them for ``/metrics``;
+- a finished request that asked (``kvplug_retain_s``) keeps its prompt prefix for a while
+  (`kvplug.vllm.retention`).
 
 Everything else (batching, preemption, KV events, vLLM's own metrics) is vLLM's code.
 """
@@ -21,6 +23,7 @@ import os
 from typing import Any
 
 from vllm.v1.core.sched import scheduler as vllm_scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvplug.config import KVPlugConfig, build_policy
 from kvplug.core.keys import namespace_salt
@@ -33,6 +36,7 @@ from kvplug.vllm.kv_cache_manager import (
     kvplug_classes,
     matched_tokens,
 )
+from kvplug.vllm.retention import PoolRetention
 from kvplug.vllm.stats import METRICS_DIR_ENV, PoolStats, SnapshotWriter
 from kvplug.vllm.version import check_vllm_version
 
@@ -93,6 +97,16 @@ class KVPlugSchedulerMixin:
         self.kvplug_config = config
         self.kvplug_stats = attach_policy(self.kv_cache_manager, policy, kv_cache_config)
         self.kvplug_pool: KVPlugBlockPool = self.kv_cache_manager.block_pool
+        self.kvplug_retention = PoolRetention(
+            self.kv_cache_manager,
+            config.retention.book(kv_cache_config.num_blocks),
+            self.kvplug_stats,
+            config.retention.default_seconds,
+            all_full_attention=all(
+                type(group.kv_cache_spec) is FullAttentionSpec
+                for group in kv_cache_config.kv_cache_groups
+            ),
+        )
         self._bytes_per_block = _bytes_per_block(kv_cache_config)
         self._model = model
         self._namespace = _namespace_parts(config, vllm_config)
@@ -123,6 +137,18 @@ class KVPlugSchedulerMixin:
             self._apply_namespace(request)
         super().add_request(request)  # type: ignore[misc]
 
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self.kvplug_retention.expire()  # (nothing to do, at once, while none is live)
+        return super().schedule(*args, **kwargs)  # type: ignore[misc]
+
+    def _tenant_of(self, request: Any) -> str:
+        """The tenant a request's blocks are keyed and retained under."""
+        namespace = self.kvplug_config.namespace
+        if namespace.share_across_tenants:
+            return namespace.tenant
+        extra_args = getattr(request.sampling_params, "extra_args", None) or {}
+        return str(extra_args.get(TENANT_ARG, namespace.tenant))
+
     def _apply_namespace(self, request: Any) -> None:
         """Salt the request's first block with kvplug's namespace and rehash its blocks.
 
@@ -137,10 +163,7 @@ class KVPlugSchedulerMixin:
         if getattr(request, "_block_hasher", None) is None:
             return  # prefix caching is off: nothing is keyed
         namespace = self.kvplug_config.namespace
-        default = tenant = namespace.tenant
-        if not namespace.share_across_tenants:
-            extra_args = getattr(request.sampling_params, "extra_args", None) or {}
-            tenant = str(extra_args.get(TENANT_ARG, default))
+        default, tenant = namespace.tenant, self._tenant_of(request)
         exported = self.connector is not None or (  # type: ignore[attr-defined]
             namespace.salt_kv_events and self.enable_kv_cache_events  # type: ignore[attr-defined]
         )
@@ -160,6 +183,10 @@ class KVPlugSchedulerMixin:
         stats.matched_tokens += matched
         stats.prompt_flops += self._model.prefill_flops(0, prompt)
         stats.saved_flops += self._model.prefill_flops(0, matched)
+        retention = self.kvplug_retention
+        params = request.sampling_params  # (None for a pooling request)
+        if retention.defaults or (params is not None and params.extra_args):
+            retention.on_finish(request, self._tenant_of(request))
         return super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
 
     # -- statistics -----------------------------------------------------------------------
@@ -180,6 +207,7 @@ class KVPlugSchedulerMixin:
         stats.deferred_blocks = sum(len(blocks) for _, blocks in deferred)
         step = self.sched_step_seq  # type: ignore[attr-defined]
         stats.deferred_age_steps = max((step - seq for seq, _ in deferred), default=0)
+        stats.retained_blocks = self.kvplug_retention.retained_blocks()
         return stats
 
 

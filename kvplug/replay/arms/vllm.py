@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvplug.policies.base import EvictionPolicy
+    from kvplug.vllm.retention import PoolRetention
 
 SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")  # their differences: kvplug.vllm.compat
 HASH_ALGORITHM = "sha256"  # vLLM's default CacheConfig.prefix_caching_hash_algo
@@ -122,6 +123,19 @@ class VLLMStockArm(CacheArm):
         self._hits: dict[bytes | int, int] = {}  # block hash, as events give it -> hits
         self._evictions = 0
         self._churn = 0
+        self.now = 0.0
+        # kvplug's arm keeps what requests ask it to (`retain`), as its scheduler does
+        self.retention: PoolRetention | None = None
+        if policy is not None:
+            from kvplug.core.retention import RetentionBook
+            from kvplug.vllm.retention import PoolRetention
+
+            self.retention = PoolRetention(
+                self.manager,
+                RetentionBook(capacity_blocks // 4),
+                self.manager.block_pool.stats,
+                clock=lambda: self.now,
+            )
 
     def admit(self, req_id: int, prompt: list[int], compute: int) -> int | None:
         from vllm.v1.request import Request, RequestStatus
@@ -171,6 +185,16 @@ class VLLMStockArm(CacheArm):
         request = self._requests.pop(req_id)
         request.kvplug_output_tokens = output_tokens  # a unit is a trace block, not a token
         self.manager.free(request)
+
+    def advance(self, now: float) -> None:
+        self.now = now
+        if self.retention is not None:
+            self.retention.expire()
+
+    def retain(self, req_id: int, seconds: float) -> bool:
+        if self.retention is None:  # vLLM's own cache keeps nothing on request
+            return False
+        return self.retention.hold(self._requests[req_id], "", seconds) is not None
 
     def stats(self) -> ArmStats:
         self._drain_events()
