@@ -3,12 +3,13 @@
 The vLLM adapter (`kvplug.vllm.stats`) and the SGLang adapter (`kvplug.sglang.stats`)
 count into one `PoolStats` and expose each field as the Prometheus metric
 ``kvplug_<field>``, with the help text in `HELP`; fields in `GAUGES` are gauges, the
-rest counters. How they reach ``/metrics`` is each adapter's own.
+rest counters; fields in `TENANT_GAUGES` are gauges with a series per tenant. How they
+reach ``/metrics`` is each adapter's own.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -34,6 +35,8 @@ class PoolStats:
     deferred_blocks: int = 0  # gauge: blocks freed but not yet returned (in-flight writes)
     deferred_age_steps: int = 0  # gauge: scheduler steps the oldest of those has waited
     retained_blocks: int = 0  # gauge: blocks kept by live retentions
+    # gauge by tenant: bytes kept by each tenant's live retentions (`TENANT_GAUGES`)
+    retained_bytes: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,4 +61,7 @@ HELP = {
     "retentions_refused": "Retention asks not served (a bad value, or a model it cannot serve)",
     "retained_blocks": "Blocks kept by live retentions",
 }
+# gauges with one series per tenant (``tenant`` label), each a mapping in `PoolStats`;
+# not in `HELP`, whose fields are single numbers
+TENANT_GAUGES = {"retained_bytes": "Bytes of KV cache kept by live retentions, by tenant"}
 GAUGES = {"cached_blocks", "bytes_held", "deferred_blocks", "deferred_age_steps", "retained_blocks"}

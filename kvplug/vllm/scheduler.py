@@ -207,7 +207,12 @@ class KVPlugSchedulerMixin:
         stats.deferred_blocks = sum(len(blocks) for _, blocks in deferred)
         step = self.sched_step_seq  # type: ignore[attr-defined]
         stats.deferred_age_steps = max((step - seq for seq, _ in deferred), default=0)
-        stats.retained_blocks = self.kvplug_retention.retained_blocks()
+        retention = self.kvplug_retention
+        stats.retained_blocks = retention.retained_blocks()
+        stats.retained_bytes = {
+            tenant: blocks * self._bytes_per_block
+            for tenant, blocks in retention.book.by_tenant().items()
+        }
         return stats
 
 

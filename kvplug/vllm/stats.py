@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvplug.engine_stats import GAUGES, HELP, PoolStats
+from kvplug.engine_stats import GAUGES, HELP, TENANT_GAUGES, PoolStats
 
 METRICS_DIR_ENV = "KVPLUG_METRICS_DIR"
 PROMETHEUS_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # set by vLLM for several API servers
@@ -76,10 +76,25 @@ class MultiprocessMirror:
             else:
                 metric = Counter(f"kvplug_{name}", text, labels, registry=registry)
             self._metrics[name] = metric
+        for name, text in TENANT_GAUGES.items():
+            self._metrics[name] = Gauge(
+                f"kvplug_{name}", text, (*labels, "tenant"), registry=registry,
+                multiprocess_mode="mostrecent",
+            )  # fmt: skip
         self._written: dict[str, float] = {}  # counter name -> value already in the files
+        self._tenants: dict[str, set[str]] = {name: set() for name in TENANT_GAUGES}
 
     def write(self, stats: PoolStats, policy: str) -> None:
+        for name, values in stats.as_dict().items():
+            if name not in TENANT_GAUGES:
+                continue
+            gone = self._tenants[name] - values.keys()  # a tenant with nothing kept: 0
+            for tenant, value in [*values.items(), *((t, 0) for t in gone)]:
+                self._metrics[name].labels(self.engine, policy, tenant).set(value)
+            self._tenants[name] |= values.keys()
         for name, value in stats.as_dict().items():
+            if name in TENANT_GAUGES:
+                continue
             series = self._metrics[name].labels(self.engine, policy)
             if name in GAUGES:
                 series.set(value)
@@ -146,4 +161,10 @@ class KVPlugCollector:
             family = family_cls(f"kvplug_{field}", text, labels=labels)
             for engine, data in snapshots:
                 family.add_metric([engine, data["policy"]], data[field])
+            yield family
+        for field, text in TENANT_GAUGES.items():
+            family = GaugeMetricFamily(f"kvplug_{field}", text, labels=[*labels, "tenant"])
+            for engine, data in snapshots:
+                for tenant, value in data.get(field, {}).items():
+                    family.add_metric([engine, data["policy"], tenant], value)
             yield family

@@ -151,7 +151,8 @@ def test_the_scheduler_keeps_what_a_request_asks_for_until_it_expires(model_dir)
 
     run("kept", list(range(1, 50)), {"kvplug_retain_s": 30})  # 3 full blocks of 16
     assert retention.retained_blocks() == 3
-    assert scheduler.refresh_kvplug_gauges().retained_blocks == 3
+    gauges = scheduler.refresh_kvplug_gauges()
+    assert gauges.retained_blocks == 3 and list(gauges.retained_bytes) == [""]
     run("bad", list(range(100, 150)), {"kvplug_retain_s": "forever"})
     stats = scheduler.kvplug_stats
     assert (stats.retentions, stats.retentions_refused) == (1, 1)

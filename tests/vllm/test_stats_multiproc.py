@@ -101,3 +101,38 @@ def test_without_multiprocess_mode_nothing_is_mirrored(tmp_path):
     _engine_core("0", [{"requests": 1}], env, mirrored=False)
     snapshot = json.loads((tmp_path / "kvplug-metrics" / "engine-0.json").read_text())
     assert snapshot["requests"] == 1 and snapshot["policy"] == "cost"
+
+
+def _tenant_samples(text: str) -> dict[tuple[str, str], float]:
+    return {
+        (sample.labels["engine"], sample.labels["tenant"]): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvplug_retained_bytes"
+    }
+
+
+@pytest.mark.parametrize("multiproc", [True, False])
+def test_retained_bytes_are_shown_per_tenant_and_a_tenant_that_keeps_nothing_shows_0(
+    tmp_path, multiproc
+):
+    """Both ways to ``/metrics`` (several API servers, one): one series per tenant."""
+    env = _env(tmp_path, multiproc=multiproc)
+    snapshots = [
+        {"retained_bytes": {"acme": 4096, "": 1024}},
+        {"retained_bytes": {"acme": 2048}},  # the default tenant's retentions ended
+    ]
+    _engine_core("0", snapshots, env, mirrored=multiproc)
+    if multiproc:
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(tmp_path / "prom"))
+        assert _tenant_samples(generate_latest(registry).decode()) == {
+            ("0", "acme"): 2048.0,
+            ("0", ""): 0.0,
+        }
+    else:
+        from kvplug.vllm.stats import KVPlugCollector
+
+        registry = CollectorRegistry()
+        registry.register(KVPlugCollector(tmp_path / "kvplug-metrics"))
+        assert _tenant_samples(generate_latest(registry).decode()) == {("0", "acme"): 2048.0}
