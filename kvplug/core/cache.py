@@ -52,7 +52,7 @@ from kvplug.core.keys import DEFAULT_HASH, BlockHasher, BlockKey, MMFeature, Nam
 from kvplug.core.metrics import CacheMetrics, Usage
 from kvplug.core.pool import Block, BlockPool, BlockState
 from kvplug.core.prefix_cache import PrefixCache
-from kvplug.core.retention import Retention, RetentionBook
+from kvplug.core.retention import Retention, RetentionBook, check_seconds
 from kvplug.errors import (
     CapacityError,
     ConfigError,
@@ -456,6 +456,7 @@ class KVCache:
         (no indexed prompt block, or more than the tenant's cap); never fails for room.
         A bad `seconds` raises `ConfigError`, changing nothing."""
         req = self._get(req_id)
+        check_seconds(seconds, self.retention.max_seconds)
         self.expire_retentions()
         blocks = []
         for block in req.table[: req.prompt_len // self.block_size]:

@@ -23,7 +23,7 @@ import os
 from typing import Any
 
 from vllm.v1.core.sched import scheduler as vllm_scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from kvplug.config import KVPlugConfig, build_policy
 from kvplug.core.keys import namespace_salt
@@ -42,6 +42,8 @@ from kvplug.vllm.version import check_vllm_version
 
 logger = logging.getLogger("vllm.kvplug")
 
+# the KV cache specs whose kept prompt blocks are a prefix hit (full attention, MLA's too)
+PREFIX_SPECS = (FullAttentionSpec, MLAAttentionSpec)
 TENANT_ARG = "kvplug_tenant"  # per request: SamplingParams.extra_args / OpenAI vllm_xargs
 
 
@@ -103,7 +105,7 @@ class KVPlugSchedulerMixin:
             self.kvplug_stats,
             config.retention.default_seconds,
             all_full_attention=all(
-                type(group.kv_cache_spec) is FullAttentionSpec
+                type(group.kv_cache_spec) in PREFIX_SPECS
                 for group in kv_cache_config.kv_cache_groups
             ),
         )
