@@ -16,7 +16,9 @@ kvplug cache is configured; the replay arm and the tests use it too):
   default: Rust where it serves), ``rust`` (refused at start-up where it cannot serve),
   ``python``. Both make the same decisions; the Rust core is faster;
 - the cache class is `KVPlugRadixCache`, which folds kvplug's namespace into each
-  request's ``cache_salt`` (`kvplug.sglang.namespace`) and counts kvplug's statistics.
+  request's ``cache_salt`` (`kvplug.sglang.namespace`), counts kvplug's statistics, and
+  keeps a finished request's path when it asks (``kvplug_retain_s``:
+  `kvplug.sglang.retention`).
 
 The policy is ``--radix-eviction-policy kvplug-<name>``, or kvplug's configured policy
 (``cost`` by default) when that flag is left at SGLang's default. An SGLang policy named
@@ -48,6 +50,7 @@ from kvplug.core.model_spec import ModelSpec, load_model, served_model
 from kvplug.errors import ConfigError
 from kvplug.sglang.components import kvplug_components
 from kvplug.sglang.namespace import RequestNamespace, first_sight
+from kvplug.sglang.retention import TreeRetention
 from kvplug.sglang.stats import CacheStats, PrometheusExporter
 from kvplug.sglang.strategy import PREFIX, load_config, policy_name
 from kvplug.sglang.tree_core import FULL, ReleasingRequest
@@ -75,8 +78,12 @@ class KVPlugRadixCache(UnifiedRadixCache):
     kvplug_model: ModelSpec | None = None
     kvplug_exporter: PrometheusExporter | None = None
     kvplug_stats: CacheStats
+    kvplug_retention: TreeRetention | None = None  # what finished requests asked to keep
 
     def match_prefix(self, params: Any) -> Any:
+        retention = self.kvplug_retention
+        if retention is not None and retention.book.live:
+            retention.expire()
         req = params.req
         first = req is not None and first_sight(req)
         namespace = self.kvplug_namespace
@@ -92,7 +99,17 @@ class KVPlugRadixCache(UnifiedRadixCache):
                     cache_salt=req.cache_salt,
                 ),
             )
-        return super().match_prefix(params)
+        result = super().match_prefix(params)
+        if retention is not None and retention.book.live and req is not None:
+            # SGLang admits a request when its new tokens fit in the free and evictable
+            # slots: retained paths (locked) give way first, oldest first, so that a
+            # request never waits for a retention
+            need = len(params.key.token_ids) - result.device_prefix_len
+            allocator = self.token_to_kv_pool_allocator
+            while allocator.available_size() + self.full_evictable_size() < need:
+                if not retention.lapse_oldest():
+                    break
+        return result
 
     def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         # A finished request's insert and the lock release after it (SGLang's
@@ -108,10 +125,36 @@ class KVPlugRadixCache(UnifiedRadixCache):
                 getattr(req, "kvplug_output_tokens", None) or len(req.output_ids),
             )
         super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+        retention = self.kvplug_retention
+        if retention is not None and req.finished() and req.lock is not None:
+            namespace = self.kvplug_namespace
+            tenant = namespace.tenant(req) if namespace is not None else ""
+            seconds = retention.asked(req, tenant)
+            if seconds is not None:  # its path, ending where its insert ended, kept
+                node = req.lock.node
+                pages = self.path_device_indices(node)[:: self.page_size].tolist()
+                retention.hold(node, pages, tenant, seconds)
 
     def evict_for_alloc(self, params: Any, **kwargs: Any) -> Any:
         # SGLang's allocation walk runs to a target, past the tokens it names; those
         # are what partial eviction frees (`KVPlugTreeCore.split_victim`)
+        retention = self.kvplug_retention
+        if retention is None or not retention.book.live or kwargs:
+            return self._evict_for_alloc(params, **kwargs)
+        retention.expire()
+        # a retained path goes only when nothing else can: the oldest retention ends
+        # while the eviction falls short of the slots asked for
+        allocator = self.token_to_kv_pool_allocator
+        target = allocator.available_size() + params.num_tokens
+        result = self._evict_for_alloc(params)
+        while allocator.available_size() < target and retention.lapse_oldest():
+            more = self._evict_for_alloc(
+                dataclasses.replace(params, num_tokens=target - allocator.available_size())
+            )
+            result.num_tokens_evicted += more.num_tokens_evicted
+        return result
+
+    def _evict_for_alloc(self, params: Any, **kwargs: Any) -> Any:
         self.tree_core.evict_goal = params.num_tokens
         try:
             return super().evict_for_alloc(params, **kwargs)
@@ -141,6 +184,8 @@ class KVPlugRadixCache(UnifiedRadixCache):
             stats.cached_blocks = tokens // self.page_size  # pages, not tree nodes
             if model is not None:
                 stats.bytes_held = int(tokens * model.kv_bytes_per_token())
+            if self.kvplug_retention is not None:
+                stats.retained_blocks = self.kvplug_retention.retained_blocks()
             exporter.publish(stats)
 
 
@@ -262,6 +307,14 @@ def attach(
     cache.kvplug_namespace = namespace
     cache.kvplug_model = model
     cache.kvplug_exporter = exporter
+    pages = cache.token_to_kv_pool_allocator.size // cache.page_size
+    cache.kvplug_retention = TreeRetention(
+        cache,
+        config.retention.book(pages),
+        cache.kvplug_stats,
+        config.retention.default_seconds,
+        full_attention=tuple(cache.tree_components) == (FULL,),
+    )
 
 
 def server_config(params: Any, server_args: Any) -> KVPlugConfig:

@@ -43,7 +43,22 @@ class SGLangKVPlugArm(SGLangStockArm):
         from kvplug.sglang.backend import build_cache
 
         config = KVPlugConfig(policy=policy, policy_config=self.policy_config)
-        return build_cache(params, config, tree_core=self.tree_core)
+        cache = build_cache(params, config, tree_core=self.tree_core)
+        self.now = 0.0
+        cache.kvplug_retention.clock = lambda: self.now  # the replay's clock
+        return cache
+
+    def advance(self, now: float) -> None:
+        self.now = now
+
+    def retain(self, req_id: int, seconds: float) -> bool:
+        """The request asks, as a server's request does (``custom_params``); its path is
+        kept when it finishes, as far as its tenant's cap allows."""
+        from kvplug.sglang.retention import RETAIN_PARAM
+
+        params = self.requests[req_id].sampling_params
+        params.custom_params = {**(params.custom_params or {}), RETAIN_PARAM: seconds}
+        return True
 
 
 __all__ = ["SGLangKVPlugArm"]
