@@ -50,7 +50,7 @@ from kvplug.core.model_spec import ModelSpec, load_model, served_model
 from kvplug.errors import ConfigError
 from kvplug.sglang.components import kvplug_components
 from kvplug.sglang.namespace import RequestNamespace, first_sight
-from kvplug.sglang.retention import TreeRetention
+from kvplug.sglang.retention import TreeRetention, refusal_for
 from kvplug.sglang.stats import CacheStats, PrometheusExporter
 from kvplug.sglang.strategy import PREFIX, load_config, policy_name
 from kvplug.sglang.tree_core import FULL, ReleasingRequest
@@ -300,9 +300,10 @@ def attach(
     namespace: RequestNamespace | None = None,
     model: ModelSpec | None = None,
     exporter: PrometheusExporter | None = None,
+    tp_size: int = 1,
 ) -> None:
-    """Give a built cache its namespace, model and exporter; its statistics are its tree
-    core's."""
+    """Give a built cache its namespace, model, exporter and retentions (a server with
+    `tp_size` tensor-parallel ranks); its statistics are its tree core's."""
     cache.kvplug_stats = cache.tree_core.stats
     cache.kvplug_namespace = namespace
     cache.kvplug_model = model
@@ -313,7 +314,7 @@ def attach(
         config.retention.book(pages),
         cache.kvplug_stats,
         config.retention.default_seconds,
-        full_attention=tuple(cache.tree_components) == (FULL,),
+        refusal_for(tuple(cache.tree_components) == (FULL,), tp_size),
     )
 
 
@@ -396,7 +397,7 @@ def kvplug_radix_cache(ctx: Any) -> Any:
     if params.enable_metrics:
         exporter = PrometheusExporter(str(getattr(ctx, "tp_rank", 0)), config.policy)
     namespace = RequestNamespace.for_server(config, ctx.server_args, params)
-    attach(cache, config, namespace, model, exporter)
+    attach(cache, config, namespace, model, exporter, int(getattr(ctx, "tp_size", 1) or 1))
     components = "+".join(component.name for component in params.tree_components)
     logger.info(
         "kvplug is active: policy=%s %s, %d pages of %d tokens, components %s, tree core: %s (%s)",

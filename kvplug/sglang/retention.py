@@ -13,8 +13,11 @@ then ends the oldest retention and evicts again). A retention's blocks are the p
 pages of its path, so a tenant's retentions sharing a prefix count its pages once.
 
 A bad value is not served: the request ran already, kvplug logs why and counts it
-(``kvplug_retentions_refused``). Only full-attention trees retain: on a sliding-window or
-Mamba model an ask is refused and counted, and a tenant default stops start-up.
+(``kvplug_retentions_refused``). Only full-attention trees retain, and only with one
+tensor-parallel rank (each rank keeps its own copy of the tree, and SGLang keeps the
+copies equal by making the same calls in the same order; a retention ending on each
+rank's own clock would let them differ): elsewhere an ask is refused and counted, and a
+tenant default stops start-up.
 """
 
 from __future__ import annotations
@@ -33,6 +36,21 @@ RETAIN_PARAM = "kvplug_retain_s"  # per request: sampling_params.custom_params
 logger = logging.getLogger("sglang.kvplug")
 
 
+def refusal_for(full_attention: bool, tp_size: int) -> str | None:
+    """Why a kvplug radix cache cannot retain (see the module doc), or None."""
+    if not full_attention:
+        return (
+            "retention keeps full-attention prefixes only, and this model's tree has "
+            "sliding-window or Mamba state"
+        )
+    if tp_size > 1:
+        return (
+            f"with {tp_size} tensor-parallel ranks each rank's copy of the tree would end "
+            "retentions on its own clock"
+        )
+    return None
+
+
 class TreeRetention:
     """The live retentions of one kvplug radix cache (see the module doc)."""
 
@@ -42,20 +60,20 @@ class TreeRetention:
         book: RetentionBook,
         stats: PoolStats,
         defaults: Mapping[str, float] | None = None,
-        full_attention: bool = True,
+        refusal: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if defaults and not full_attention:
+        """`refusal`: why this cache cannot retain (`refusal_for`), or None."""
+        if defaults and refusal is not None:
             raise ConfigError(
-                "kvplug config: retention.default_seconds cannot be served on this model: "
-                "retention keeps full-attention prefixes only, and its tree has "
-                "sliding-window or Mamba state; drop retention.default_seconds"
+                f"kvplug config: retention.default_seconds cannot be served: {refusal}; "
+                "drop retention.default_seconds"
             )
         self.cache = cache
         self.book = book
         self.stats = stats
         self.defaults = dict(defaults or {})
-        self.full_attention = full_attention
+        self.refusal = refusal
         self.clock = clock
         self.locks: dict[int, Any] = {}  # retention serial -> its tree lock
 
@@ -67,11 +85,8 @@ class TreeRetention:
         if value is None:
             return None
         try:
-            if not self.full_attention:
-                raise ConfigError(
-                    "retention keeps full-attention prefixes only, and this model's tree "
-                    "has sliding-window or Mamba state"
-                )
+            if self.refusal is not None:
+                raise ConfigError(self.refusal)
             return check_seconds(value, self.book.max_seconds)
         except ConfigError as exc:
             self.stats.retentions_refused += 1

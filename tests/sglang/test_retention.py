@@ -17,7 +17,7 @@ from kvplug.engine_stats import PoolStats  # noqa: E402
 from kvplug.errors import ConfigError  # noqa: E402
 from kvplug.replay.arms.base import FRESH_UNIT_BASE  # noqa: E402
 from kvplug.replay.arms.sglang_kvplug import SGLangKVPlugArm  # noqa: E402
-from kvplug.sglang.retention import RETAIN_PARAM, TreeRetention  # noqa: E402
+from kvplug.sglang.retention import RETAIN_PARAM, TreeRetention, refusal_for  # noqa: E402
 
 fresh = count(FRESH_UNIT_BASE)
 SYSTEM = [1, 2, 3, 4, 5, 6]
@@ -88,11 +88,19 @@ def test_a_bad_ask_is_not_served_and_counted(value) -> None:
     assert retention.stats.retentions_refused == 1
 
 
-def test_a_tree_with_other_state_refuses_defaults_at_start_and_asks_per_request() -> None:
+@pytest.mark.parametrize(
+    ("full_attention", "tp_size", "why"),
+    [(False, 1, "sliding-window or Mamba state"), (True, 2, "2 tensor-parallel ranks")],
+)
+def test_a_cache_that_cannot_retain_refuses_defaults_at_start_and_asks_per_request(
+    full_attention, tp_size, why
+) -> None:
     arm = SGLangKVPlugArm(32, "lru")
-    with pytest.raises(ConfigError, match="default_seconds cannot be served"):
-        TreeRetention(arm.cache, RetentionBook(8), PoolStats(), {"": 60.0}, False)
-    retention = TreeRetention(arm.cache, RetentionBook(8), PoolStats(), None, False)
+    refusal = refusal_for(full_attention, tp_size)
+    assert refusal_for(True, 1) is None and why in refusal
+    with pytest.raises(ConfigError, match=f"default_seconds cannot be served: .*{why}"):
+        TreeRetention(arm.cache, RetentionBook(8), PoolStats(), {"": 60.0}, refusal)
+    retention = TreeRetention(arm.cache, RetentionBook(8), PoolStats(), None, refusal)
     req = SimpleNamespace(
         rid="r", sampling_params=SimpleNamespace(custom_params={RETAIN_PARAM: 60})
     )
