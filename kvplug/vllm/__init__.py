@@ -24,6 +24,7 @@ blocks at its position with it, since no junction can use them any more.
 | `anchors` | `HybridRules`: cross-group retiring, anchored windows, over a pool's `BlockNodes` |
 | `free_queue` | `PolicyFreeQueue`: vLLM's free-queue interface; its walk is the eviction order |
 | `offload_policy` | `KVPlugCachePolicy`: kvplug's decision in vLLM's CPU offload tier |
+| `retention` | `PoolRetention`: prefixes kept on request (``kvplug_retain_s``), by reference |
 | `compat` | everything that differs between the vLLM releases supported (0.32 to 0.34) |
 | `stats` | `PoolStats`, metrics snapshots and the Prometheus collector |
 | `plugin` | the ``vllm.general_plugins`` entry point |
