@@ -14,7 +14,8 @@ ended, to be ranked like any other release. A retention ends when:
   retained block is evicted only when no other block can be.
 
 Blocks are the adapter's handles (block ids); a tenant's retained blocks count each block
-once, however many of its retentions hold it.
+once, however many of its retentions hold it. `EngineRetentions` is what the engine
+adapters share around the book (reading and refusing asks, expiry, lapses).
 
 Invariants (checked by `check_invariants`): each tenant's retained blocks are at most its
 cap; the per-tenant counts are exactly the distinct blocks of its live retentions; every
@@ -24,10 +25,13 @@ live retention is in the expiry queue.
 from __future__ import annotations
 
 import heapq
+import logging
 import math
+from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvplug.errors import ConfigError
 
@@ -171,3 +175,74 @@ class RetentionBook:
             ]
         queued = {serial for _, serial in self._expiry}
         assert set(self.live) <= queued, "a live retention missing from the expiry queue"
+
+
+class EngineRetentions(ABC):
+    """An engine adapter's side of retention: the `book` decides which retentions are
+    live; a subclass holds each retention's blocks in its engine's own terms (`_release`
+    lets them go). What every engine shares lives here: reading a request's ask against
+    its tenant's default, refusing what cannot be served (a bad value, or a cache that
+    cannot retain, `refusal`) by counting it in ``stats.retentions_refused`` rather than
+    failing a request that already ran, expiry, and the oldest-first lapse."""
+
+    def __init__(
+        self,
+        book: RetentionBook,
+        stats: Any,
+        defaults: Mapping[str, float] | None,
+        refusal: str | None,
+        clock: Callable[[], float],
+        logger: logging.Logger,
+    ) -> None:
+        if defaults and refusal is not None:
+            raise ConfigError(
+                f"kvplug config: retention.default_seconds cannot be served: {refusal}; "
+                "drop retention.default_seconds"
+            )
+        self.book = book
+        self.stats = stats
+        self.defaults = dict(defaults or {})
+        self.refusal = refusal
+        self.clock = clock
+        self.logger = logger
+
+    def seconds_asked(
+        self, asked: object, tenant: str, request_id: object, name: str
+    ) -> float | None:
+        """The seconds a request asks to be kept (`asked`, the value of its parameter
+        `name`; None: its tenant's default), or None: none asked, or a bad ask (logged
+        and counted)."""
+        value = self.defaults.get(tenant) if asked is None else asked
+        if value is None:
+            return None
+        try:
+            if self.refusal is not None:
+                raise ConfigError(self.refusal)
+            return check_seconds(value, self.book.max_seconds)
+        except ConfigError as exc:
+            self.stats.retentions_refused += 1
+            self.logger.warning(
+                "kvplug: request %s: %s=%r not served (%s)", request_id, name, value, exc
+            )
+            return None
+
+    def expire(self) -> int:
+        """End the retentions whose time has passed; how many ended."""
+        if not self.book.live:
+            return 0
+        ended = self.book.expire(self.clock())
+        for retention in ended:
+            self._release(retention)
+        return len(ended)
+
+    def lapse_oldest(self) -> bool:
+        """End the oldest live retention; whether there was one."""
+        retention = self.book.lapse_oldest()
+        if retention is None:
+            return False
+        self._release(retention)
+        return True
+
+    @abstractmethod
+    def _release(self, retention: Retention) -> None:
+        """Let go of what the engine holds for `retention`, which has ended."""

@@ -27,9 +27,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvplug.core.retention import Retention, RetentionBook, check_seconds
+from kvplug.core.retention import EngineRetentions, Retention, RetentionBook
 from kvplug.engine_stats import PoolStats
-from kvplug.errors import ConfigError
 
 RETAIN_PARAM = "kvplug_retain_s"  # per request: sampling_params.custom_params
 
@@ -51,7 +50,7 @@ def refusal_for(full_attention: bool, tp_size: int) -> str | None:
     return None
 
 
-class TreeRetention:
+class TreeRetention(EngineRetentions):
     """The live retentions of one kvplug radix cache (see the module doc)."""
 
     def __init__(
@@ -64,36 +63,14 @@ class TreeRetention:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`refusal`: why this cache cannot retain (`refusal_for`), or None."""
-        if defaults and refusal is not None:
-            raise ConfigError(
-                f"kvplug config: retention.default_seconds cannot be served: {refusal}; "
-                "drop retention.default_seconds"
-            )
+        super().__init__(book, stats, defaults, refusal, clock, logger)
         self.cache = cache
-        self.book = book
-        self.stats = stats
-        self.defaults = dict(defaults or {})
-        self.refusal = refusal
-        self.clock = clock
         self.locks: dict[int, Any] = {}  # retention serial -> its tree lock
 
     def asked(self, req: Any, tenant: str) -> float | None:
-        """The seconds `req` asks to be kept (its tenant's default if it names none), or
-        None: none asked, or a bad ask (logged and counted)."""
+        """The seconds `req` asks to be kept (`EngineRetentions.seconds_asked`)."""
         custom = getattr(req.sampling_params, "custom_params", None) or {}
-        value = custom.get(RETAIN_PARAM, self.defaults.get(tenant))
-        if value is None:
-            return None
-        try:
-            if self.refusal is not None:
-                raise ConfigError(self.refusal)
-            return check_seconds(value, self.book.max_seconds)
-        except ConfigError as exc:
-            self.stats.retentions_refused += 1
-            logger.warning(
-                "kvplug: request %s: %s=%r not served (%s)", req.rid, RETAIN_PARAM, value, exc
-            )
-            return None
+        return self.seconds_asked(custom.get(RETAIN_PARAM), tenant, req.rid, RETAIN_PARAM)
 
     def hold(self, node: Any, pages: list[int], tenant: str, seconds: float) -> Retention | None:
         """Keep the path ending at `node` (its physical `pages`) for `seconds`, as far
@@ -105,23 +82,6 @@ class TreeRetention:
         for ended in lapsed:
             self._release(ended)
         return retention
-
-    def expire(self) -> int:
-        """End the retentions whose time has passed; how many ended."""
-        if not self.book.live:
-            return 0
-        ended = self.book.expire(self.clock())
-        for retention in ended:
-            self._release(retention)
-        return len(ended)
-
-    def lapse_oldest(self) -> bool:
-        """End the oldest live retention (an eviction fell short); whether one ended."""
-        retention = self.book.lapse_oldest()
-        if retention is None:
-            return False
-        self._release(retention)
-        return True
 
     def retained_blocks(self) -> int:
         return sum(self.book.by_tenant().values())

@@ -32,16 +32,25 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvplug.core.retention import Retention, RetentionBook, check_seconds
+from kvplug.core.retention import EngineRetentions, Retention, RetentionBook
 from kvplug.engine_stats import PoolStats
-from kvplug.errors import ConfigError
 
 RETAIN_ARG = "kvplug_retain_s"  # per request: SamplingParams.extra_args / OpenAI vllm_xargs
 
 logger = logging.getLogger("vllm.kvplug")
 
 
-class PoolRetention:
+def refusal_for(all_prefix_groups: bool) -> str | None:
+    """Why a vLLM cache cannot retain (see the module doc), or None."""
+    if all_prefix_groups:
+        return None
+    return (
+        "retention keeps full-attention prefixes only, and this model's KV cache has "
+        "sliding-window or Mamba groups"
+    )
+
+
+class PoolRetention(EngineRetentions):
     """The live retentions of one vLLM KV cache manager (see the module doc)."""
 
     def __init__(
@@ -50,45 +59,19 @@ class PoolRetention:
         book: RetentionBook,
         stats: PoolStats,
         defaults: Mapping[str, float] | None = None,
-        all_full_attention: bool = True,
+        refusal: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if defaults and not all_full_attention:
-            raise ConfigError(
-                "kvplug config: retention.default_seconds cannot be served on this model: "
-                "retention keeps full-attention prefixes only, and its KV cache has "
-                "sliding-window or Mamba groups; drop retention.default_seconds"
-            )
+        """`refusal`: why this cache cannot retain (`refusal_for`), or None."""
+        super().__init__(book, stats, defaults, refusal, clock, logger)
         self.manager = manager
         self.pool = manager.block_pool
-        self.book = book
-        self.stats = stats
-        self.defaults = dict(defaults or {})
-        self.all_full_attention = all_full_attention
-        self.clock = clock
         self.holds: Counter[int] = Counter()  # block id -> live retentions holding it
 
     def asked(self, request: Any, tenant: str) -> float | None:
-        """The seconds `request` asks to be kept (its tenant's default if it names none),
-        or None: none asked, or a bad ask (logged and counted)."""
+        """The seconds `request` asks to be kept (`EngineRetentions.seconds_asked`)."""
         extra = getattr(request.sampling_params, "extra_args", None) or {}
-        value = extra.get(RETAIN_ARG, self.defaults.get(tenant))
-        if value is None:
-            return None
-        try:
-            if not self.all_full_attention:
-                raise ConfigError(
-                    "retention keeps full-attention prefixes only, and this model has "
-                    "sliding-window or Mamba groups"
-                )
-            return check_seconds(value, self.book.max_seconds)
-        except ConfigError as exc:
-            self.stats.retentions_refused += 1
-            logger.warning(
-                "kvplug: request %s: %s=%r not served (%s)", request.request_id, RETAIN_ARG,
-                value, exc,
-            )  # fmt: skip
-            return None
+        return self.seconds_asked(extra.get(RETAIN_ARG), tenant, request.request_id, RETAIN_ARG)
 
     def on_finish(self, request: Any, tenant: str) -> Retention | None:
         """`request` is about to be freed: hold its cached prompt blocks if it asked."""
@@ -124,15 +107,6 @@ class PoolRetention:
                 found.append(block)
         return found
 
-    def expire(self) -> int:
-        """End the retentions whose time has passed; how many ended."""
-        if not self.book.live:
-            return 0
-        ended = self.book.expire(self.clock())
-        for retention in ended:
-            self._release(retention)
-        return len(ended)
-
     def lapse_for_room(self) -> bool:
         """An allocation found no room: end the oldest retention if any block is held by
         retentions alone (ending it may then give room); whether one ended."""
@@ -141,10 +115,7 @@ class PoolRetention:
         blocks = self.pool.blocks
         if not any(blocks[b].ref_cnt == n for b, n in self.holds.items()):
             return False
-        retention = self.book.lapse_oldest()
-        assert retention is not None
-        self._release(retention)
-        return True
+        return self.lapse_oldest()
 
     def _lapse_when_full(self) -> None:
         """From the first retention on, the manager's `allocate_slots` ends retentions

@@ -36,7 +36,7 @@ from kvplug.vllm.kv_cache_manager import (
     kvplug_classes,
     matched_tokens,
 )
-from kvplug.vllm.retention import PoolRetention
+from kvplug.vllm.retention import PoolRetention, refusal_for
 from kvplug.vllm.stats import METRICS_DIR_ENV, PoolStats, SnapshotWriter
 from kvplug.vllm.version import check_vllm_version
 
@@ -104,9 +104,11 @@ class KVPlugSchedulerMixin:
             config.retention.book(kv_cache_config.num_blocks),
             self.kvplug_stats,
             config.retention.default_seconds,
-            all_full_attention=all(
-                type(group.kv_cache_spec) in PREFIX_SPECS
-                for group in kv_cache_config.kv_cache_groups
+            refusal_for(
+                all(
+                    type(group.kv_cache_spec) in PREFIX_SPECS
+                    for group in kv_cache_config.kv_cache_groups
+                )
             ),
         )
         self._bytes_per_block = _bytes_per_block(kv_cache_config)

@@ -16,7 +16,7 @@ from kvplug.errors import ConfigError  # noqa: E402
 from kvplug.policies import make_policy  # noqa: E402
 from kvplug.replay.arms.base import FRESH_UNIT_BASE as F  # noqa: E402
 from kvplug.replay.arms.vllm import VLLMStockArm  # noqa: E402
-from kvplug.vllm.retention import RETAIN_ARG, PoolRetention  # noqa: E402
+from kvplug.vllm.retention import RETAIN_ARG, PoolRetention, refusal_for  # noqa: E402
 
 SYSTEM = [1, 2, 3, 4, 5, 6]
 
@@ -94,9 +94,11 @@ def test_a_bad_ask_is_not_served_and_counted(value) -> None:
 
 def test_a_model_with_other_groups_refuses_defaults_at_start_and_asks_per_request() -> None:
     arm = VLLMStockArm(16, make_policy("lru"))
-    with pytest.raises(ConfigError, match="default_seconds cannot be served"):
-        PoolRetention(arm.manager, RetentionBook(4), PoolStats(), {"": 60.0}, False)
-    retention = PoolRetention(arm.manager, RetentionBook(4), PoolStats(), None, False)
+    refusal = refusal_for(False)
+    assert refusal_for(True) is None and "sliding-window or Mamba groups" in refusal
+    with pytest.raises(ConfigError, match="default_seconds cannot be served: .*Mamba groups"):
+        PoolRetention(arm.manager, RetentionBook(4), PoolStats(), {"": 60.0}, refusal)
+    retention = PoolRetention(arm.manager, RetentionBook(4), PoolStats(), None, refusal)
     request = SimpleNamespace(
         request_id="r", sampling_params=SimpleNamespace(extra_args={RETAIN_ARG: 60})
     )
