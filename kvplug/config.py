@@ -29,6 +29,7 @@ from pydantic_core import ErrorDetails
 
 from kvplug import policies
 from kvplug.core.keys import DEFAULT_HASH, HASH_ALGORITHMS
+from kvplug.core.queue_protection import MAX_DEPTH
 from kvplug.core.retention import RetentionBook
 from kvplug.errors import ConfigError, UnknownPolicyError
 
@@ -85,6 +86,15 @@ class RetentionConfig(BaseModel):
         return RetentionBook(int(self.cap_fraction * num_blocks), caps, self.max_seconds)
 
 
+class QueueProtectionConfig(BaseModel):
+    """How many waiting requests claim the cached blocks they will hit, refreshed once per
+    step (`kvplug.core.queue_protection`); 0: none."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    requests: int = Field(default=0, ge=0, le=MAX_DEPTH)
+
+
 class KVPlugConfig(BaseModel):
     """The whole kvplug configuration. Every field has a default."""
 
@@ -98,6 +108,7 @@ class KVPlugConfig(BaseModel):
     namespace: NamespaceConfig = Field(default_factory=NamespaceConfig)
     strict_version: bool = True  # refuse an untested engine version unless False
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
+    queue_protection: QueueProtectionConfig = Field(default_factory=QueueProtectionConfig)
 
     @field_validator("policy")
     @classmethod

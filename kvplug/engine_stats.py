@@ -35,6 +35,7 @@ class PoolStats:
     deferred_blocks: int = 0  # gauge: blocks freed but not yet returned (in-flight writes)
     deferred_age_steps: int = 0  # gauge: scheduler steps the oldest of those has waited
     retained_blocks: int = 0  # gauge: blocks kept by live retentions
+    protected_blocks: int = 0  # gauge: cached blocks waiting requests claim (queue protection)
     # gauge by tenant: bytes kept by each tenant's live retentions (`TENANT_GAUGES`)
     retained_bytes: dict[str, int] = field(default_factory=dict)
 
@@ -60,8 +61,16 @@ HELP = {
     "retentions": "Prompt prefixes kept after their request ended, as it asked (kvplug_retain_s)",
     "retentions_refused": "Retention asks not served (a bad value, or a model it cannot serve)",
     "retained_blocks": "Blocks kept by live retentions",
+    "protected_blocks": "Cached blocks waiting requests will hit, evicted last",
 }
 # gauges with one series per tenant (``tenant`` label), each a mapping in `PoolStats`;
 # not in `HELP`, whose fields are single numbers
 TENANT_GAUGES = {"retained_bytes": "Bytes of KV cache kept by live retentions, by tenant"}
-GAUGES = {"cached_blocks", "bytes_held", "deferred_blocks", "deferred_age_steps", "retained_blocks"}
+GAUGES = {
+    "cached_blocks",
+    "bytes_held",
+    "deferred_blocks",
+    "deferred_age_steps",
+    "retained_blocks",
+    "protected_blocks",
+}

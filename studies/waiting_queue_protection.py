@@ -1,13 +1,13 @@
 """How much knowing the waiting queue is worth: `cost` with queue protection, realistic mode.
 
 A serving engine knows the requests in its waiting queue and the blocks each would hit; a
-trace replay's realistic mode has the same queue (`RealisticReplay.waiting`). This study
-measures the rule before any engine gets it: before every replay event, the cached blocks
-that the first `K` waiting requests would hit (`KVCache.match`, which changes nothing) are
-*protected*: the policy's victim is its lowest-ranked candidate that no waiting request
-needs, and a protected one only when nothing else is left. K = 0 is `cost` alone; K = all
-is the bound (the whole queue known). `lru` and `belady` give the gap
-(``gap closed = (arm - lru) / (belady - lru)``).
+trace replay's realistic mode has the same queue (`RealisticReplay.waiting`). Before every
+replay event the arm refreshes its protection from the first `K` waiting requests
+(`kvplug.core.queue_protection`, the rule vLLM's scheduler runs each step): the blocks
+they would hit are evicted after every other candidate, the next request's last. K = 0
+is `cost` alone; K = all (the whole queue) is the bound of the rule. `lru` and `belady`
+give the gap (``gap closed = (arm - lru) / (belady - lru)``). ``--inside vllm`` runs
+`cost` inside vLLM's own KV cache manager (``vllm-kvplug:cost``) instead of kvplug's cache.
 
     .venv/bin/python studies/waiting_queue_protection.py --prefill-tps 2000,1000 \
         --capacity-fractions 0.05,0.1 --queue 0,8,64,all
@@ -19,85 +19,20 @@ Queue protection only acts while requests wait, so the loads are those where the
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
 from kvplug.core.model_spec import load_model
-from kvplug.policies.cost import CostPolicy
-from kvplug.policies.node import CachedNode
-from kvplug.replay.arms.base import KVPlugArm
-from kvplug.replay.loop import Event, RealisticReplay, ReplayCounters, Timing, make_jobs
+from kvplug.core.queue_protection import WHOLE_QUEUE
+from kvplug.replay.loop import RealisticReplay, ReplayCounters, Timing, make_jobs
 from kvplug.replay.runner import build_arm, replay_clock
 from kvplug.replay.sources import capacities_for, load_trace
 
 
-class QueueProtectedCost(CostPolicy):
-    """`cost`, whose victim is never a block a waiting request needs while another
-    candidate is left (`protected`: serials, set before each event)."""
-
-    name = "cost"
-
-    def __init__(self, **params: object) -> None:
-        super().__init__(**params)  # type: ignore[arg-type]
-        self.protected: set[int] = set()
-
-    def first_candidate(self) -> CachedNode | None:
-        if not self.protected:
-            return super().first_candidate()
-        first = None
-        for _, node in self.iter_ranked():
-            if first is None:
-                first = node
-            if node.serial not in self.protected:
-                self.chosen = node.serial
-                return node
-        if first is not None:
-            self.chosen = first.serial
-        return first
-
-    def pop_first(self) -> CachedNode | None:
-        node = self.first_candidate()
-        if node is not None:
-            self.discard_candidate(node)
-        return node
-
-
-class ProtectingReplay(RealisticReplay):
-    """The realistic replay, refreshing the policy's protected set before each event from
-    the first `queue` waiting requests (None: all of them)."""
-
-    def __init__(self, *args: object, queue: int | None, policy: QueueProtectedCost) -> None:
-        super().__init__(*args)  # type: ignore[arg-type]
-        self.queue = queue
-        self.policy = policy
-        self.scanned = 0  # waiting requests matched, over the run
-
-    def handle(self, event: Event) -> None:
-        cache = self.arm.cache  # type: ignore[attr-defined]
-        protected: set[int] = set()
-        for n, index in enumerate(self.waiting):
-            if self.queue is not None and n >= self.queue:
-                break
-            protected.update(node.serial for node in cache.match(self.jobs[index].prompt))
-            self.scanned += 1
-        self.policy.protected = protected
-        super().handle(event)
-
-
 def run_arm(
-    name: str, capacity: int, trace, model, timing: Timing, queue: int | None
+    name: str, capacity: int, trace, jobs, timing: Timing, queue: int
 ) -> tuple[float, ReplayCounters]:
-    jobs = make_jobs(trace, model)
     counters = ReplayCounters()
-    if name == "protected":
-        policy = QueueProtectedCost(tokens_per_block=trace.block_tokens)
-        arm = KVPlugArm(f"cost+queue{queue}", policy, capacity)
-        ProtectingReplay(
-            arm, jobs, trace.block_tokens, timing, counters, None, queue=queue, policy=policy
-        ).run()
-    else:
-        arm = build_arm(name, capacity, jobs, False, trace.block_tokens, None)
-        clock: Callable | None = replay_clock(arm)
-        RealisticReplay(arm, jobs, trace.block_tokens, timing, counters, clock).run()
+    arm = build_arm(name, capacity, jobs, False, trace.block_tokens, None, queue_depth=queue)
+    RealisticReplay(arm, jobs, trace.block_tokens, timing, counters, replay_clock(arm)).run()
     return counters.saved_flops / counters.total_flops, counters
 
 
@@ -108,21 +43,25 @@ def main() -> None:
     parser.add_argument("--decode-tps", type=float, default=40.0)
     parser.add_argument("--capacity-fractions", default="0.05,0.1")
     parser.add_argument("--queue", default="0,8,64,all", help="K values; all: the whole queue")
+    parser.add_argument("--inside", choices=["kvplug", "vllm"], default="kvplug")
     args = parser.parse_args()
     trace = load_trace(args.trace)
-    model = load_model(None)
+    jobs = make_jobs(trace, load_model(None))
     fractions = [float(f) for f in args.capacity_fractions.split(",")]
-    queues = [None if k == "all" else int(k) for k in args.queue.split(",")]
+    queues = [WHOLE_QUEUE if k == "all" else int(k) for k in args.queue.split(",")]
+    cost = "cost" if args.inside == "kvplug" else "vllm-kvplug:cost"
     print(f"{'prefill':>8} {'size':>6} {'arm':>14} {'saved':>8} {'gap closed':>10} {'waited':>7}")
     for tps in (float(t) for t in args.prefill_tps.split(",")):
         timing = Timing(prefill_tps=tps, decode_tps=args.decode_tps)
         for fraction, capacity in zip(fractions, capacities_for(trace, fractions), strict=True):
-            lru, _ = run_arm("lru", capacity, trace, model, timing, None)
-            belady, _ = run_arm("belady", capacity, trace, model, timing, None)
+            lru, _ = run_arm("lru", capacity, trace, jobs, timing, 0)
+            belady, _ = run_arm("belady", capacity, trace, jobs, timing, 0)
             rows = [("lru", lru, 0), ("belady", belady, 0)]
             for queue in queues:
-                saved, c = run_arm("protected", capacity, trace, model, timing, queue)
-                label = "cost" if queue == 0 else f"cost+q{'all' if queue is None else queue}"
+                saved, c = run_arm(cost, capacity, trace, jobs, timing, queue)
+                label = (
+                    "cost" if queue == 0 else f"cost+q{'all' if queue == WHOLE_QUEUE else queue}"
+                )
                 rows.append((label, saved, c.waited))
             for label, saved, waited in rows:
                 gap = (saved - lru) / (belady - lru) if belady > lru else float("nan")

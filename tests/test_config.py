@@ -13,8 +13,8 @@ from kvplug.errors import ConfigError
 from kvplug.policies import available_policies
 
 TOP_KEYS = (
-    "block_size, enable_prefix_caching, hash_algo, namespace, policy, policy_config, retention, "
-    "strict_version"
+    "block_size, enable_prefix_caching, hash_algo, namespace, policy, policy_config, "
+    "queue_protection, retention, strict_version"
 )
 
 
@@ -59,6 +59,7 @@ FULL = {
         "max_seconds": 600.0,
         "default_seconds": {"": 30.0},
     },
+    "queue_protection": {"requests": 16},
 }
 
 
@@ -71,6 +72,17 @@ def test_retention_settings_give_each_tenant_its_cap_and_refuse_a_default_past_t
         )
     with pytest.raises(ConfigError, match=r"'retention.cap_fraction' = 1.5 is not accepted"):
         KVPlugConfig.from_dict({"retention": {"cap_fraction": 1.5}})
+
+
+def test_queue_protection_reads_at_most_the_bounded_number_of_waiting_requests() -> None:
+    assert KVPlugConfig.from_dict({}).queue_protection.requests == 0
+    assert (
+        KVPlugConfig.from_dict({"queue_protection": {"requests": 8}}).queue_protection.requests == 8
+    )
+    with pytest.raises(ConfigError, match=r"'queue_protection.requests' = 1000 is not accepted"):
+        KVPlugConfig.from_dict({"queue_protection": {"requests": 1000}})
+    with pytest.raises(ConfigError, match=r"unknown key 'queue_protection.request'"):
+        KVPlugConfig.from_dict({"queue_protection": {"request": 8}})
 
 
 def test_from_dict_and_round_trip() -> None:

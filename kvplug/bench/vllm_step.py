@@ -83,6 +83,7 @@ from kvplug.vllm.block_pool import KVPlugBlockPool
 from kvplug.vllm.compat import model_runner_output
 
 STOCK = "stock"
+QUEUE_SUFFIX = "+queue"  # an arm POLICY+queueN protects N waiting requests' hits
 TOKEN_BASE = 4  # token ids below this are the tiny model's special tokens
 TOKEN_RANGE = 256  # prompt tokens are random bytes; the tiny model's vocabulary is 512
 
@@ -293,7 +294,7 @@ class Arm:
         config = copy.deepcopy(base_config)
         stock = name == STOCK or handouts is not None
         if not stock:
-            config.additional_config = {"kvplug": {"policy": name}}
+            config.additional_config = {"kvplug": arm_config(name)}
         kwargs = scheduler_kwargs(config, workload, num_blocks)
         self.scheduler = StockScheduler(**kwargs) if stock else kvplug.vllm.Scheduler(**kwargs)
         self.pool = self.scheduler.kv_cache_manager.block_pool
@@ -401,6 +402,18 @@ class Arm:
 
 def _median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3
+
+
+def arm_config(name: str) -> dict[str, Any]:
+    """The kvplug configuration of arm `name`: a policy, or ``POLICY+queueN`` for the
+    policy with the first N waiting requests' hits protected (`kvplug.vllm.queue_protection`:
+    the harness keeps more requests than a step's batch, so some always wait)."""
+    policy, suffix, depth = name.partition(QUEUE_SUFFIX)
+    if not suffix:
+        return {"policy": policy}
+    if not depth.isdigit():
+        raise KVPlugError(f"arm {name!r}: write POLICY{QUEUE_SUFFIX}N, N waiting requests")
+    return {"policy": policy, "queue_protection": {"requests": int(depth)}}
 
 
 def _percentile_ms(values: list[float], percent: int) -> float:

@@ -118,7 +118,12 @@ def replay_speed(requests: int, policies: str, capacity_fraction: float) -> None
 @click.option(
     "--rounds", default=10, show_default=True, help="Interleaved rounds the steps are split in."
 )
-@click.option("--policies", default="lru,cost", show_default=True, help="kvplug arms.")
+@click.option(
+    "--policies",
+    default="lru,cost",
+    show_default=True,
+    help="kvplug arms; POLICY+queueN: the policy protecting the first N waiting requests' hits.",
+)
 @click.option(
     "--told",
     default="",

@@ -16,10 +16,12 @@ from kvplug.cli.options import (
     with_replay_options,
 )
 from kvplug.core.model_spec import load_model
+from kvplug.core.queue_protection import MAX_DEPTH
 from kvplug.replay.report import explanations, plot, render
 from kvplug.replay.runner import (
     check_arm_names,
     check_policy_config,
+    check_queue_depth,
     engine_of,
     missing_engines,
     run_replay,
@@ -52,6 +54,7 @@ def run_single(
     explain: bool = False,
     policy_config: dict[str, Any] | None = None,
     host_blocks: int = 0,
+    queue_protection: int = 0,
 ) -> None:
     """Replay `trace` through `arms` at each capacity; print the report, write the plot."""
     spec = load_model(model)
@@ -65,7 +68,7 @@ def run_single(
     rows = run_replay(
         trace, arms, capacities(trace, capacity_blocks, capacity_fractions), spec,
         sequential=sequential, timing=timings[0], progress=progress_printer(quiet),
-        policy_config=policy_config, host_blocks=host_blocks,
+        policy_config=policy_config, host_blocks=host_blocks, queue_depth=queue_protection,
     )  # fmt: skip
     if fmt == "table":
         click.echo(
@@ -112,6 +115,14 @@ def run_single(
     "offload fills it; a reload costs its bytes over the host link (host_link_gbps, "
     "prefill_tflops in --policy-config). 0: none.",
 )
+@click.option(
+    "--queue-protection",
+    type=click.IntRange(min=0, max=MAX_DEPTH),
+    default=0,
+    help="Realistic mode: the cached blocks the first N waiting requests would hit are "
+    "evicted last, in the arms that run a kvplug policy kvplug ranks (its own cache, "
+    "vllm-kvplug:<policy>); their rows are named <arm>+queueN. 0: none.",
+)
 @with_replay_options
 def replay(
     trace: str,
@@ -120,6 +131,7 @@ def replay(
     plot_path: str | None,
     policy_config: str | None,
     host_blocks: int,
+    queue_protection: int,
     **options: Any,
 ) -> None:
     """Replay TRACE through several eviction policies and cache sizes, one cache each.
@@ -132,9 +144,10 @@ def replay(
     check_arm_names(arms)  # before reading a large trace
     config = json_object(policy_config, "--policy-config") if policy_config else None
     check_policy_config(arms, config or {})
+    check_queue_depth(queue_protection, options["sequential"])
     run_single(
         load_trace(trace, trace_format), arms, plot_path, policy_config=config,
-        host_blocks=host_blocks, **options,
+        host_blocks=host_blocks, queue_protection=queue_protection, **options,
     )  # fmt: skip
 
 

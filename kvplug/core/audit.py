@@ -108,7 +108,7 @@ def _check_blocks(cache: KVCache, tables: Counter[int]) -> None:
         else:  # DRAINING
             assert not n_tables and not in_index and busy, block
     assert evictable == cache.prefix.num_evictable, (evictable, cache.prefix.num_evictable)
-    assert candidates == len(cache.policy), (candidates, len(cache.policy))
+    assert candidates == len(cache.prefix.eviction), (candidates, len(cache.prefix.eviction))
 
 
 def _check_index(cache: KVCache) -> None:

@@ -264,6 +264,12 @@ class KVCache:
         nodes, _ = self.prefix.lookup(prompt, ns, tuple(mm_features))
         return nodes
 
+    def protect_n(self, nodes: list[Node], levels: list[int]) -> None:
+        """Give each of `nodes` (indexed) its protection level (0: none): a waiting
+        request will hit it, so it is evicted after every candidate of a lower level
+        (`kvplug.core.queue_protection`)."""
+        self.prefix.eviction.protect_n(nodes, levels)
+
     def admission_blocks(self, nodes: Sequence[Node], num_tokens: int) -> int:
         """How much of `num_reclaimable` admitting a request takes, when a lookup matched
         `nodes` and its first `num_tokens` tokens are to be held: the new blocks, plus the

@@ -544,6 +544,8 @@ class DenseCostCore:
     anchored: cython.char[:]  # a mark an engine's rules set per identity (`anchor_blocks`)
     rank: cython.double[:]
     order: cython.longlong[:]
+    protection: cython.int[:]  # a waiting request's claim (`protect_n`); 0: none
+    num_protected = cython.declare(cython.Py_ssize_t, visibility="readonly")
     since: cython.longlong[:]  # when it last became evictable, in evictions' count
     # blocks holding no key and no holder, a list in hand-out order (`push_fresh`)
     fresh_next: cython.int[:]
@@ -621,6 +623,8 @@ class DenseCostCore:
         self.anchored = array("b", [0]) * n
         self.rank = array("d", [0.0]) * n
         self.order = array("q", [0]) * n
+        self.protection = array("i", [0]) * n
+        self.num_protected = 0
         self.since = array("q", [0]) * n
         self.fresh_next = array("i", [-1]) * n
         self.fresh_prev = array("i", [-1]) * n
@@ -715,6 +719,9 @@ class DenseCostCore:
             self.credit[node] = 0
             self.ranked[node] = 0
             self.anchored[node] = 0
+            if self.protection[node]:  # the block's former identity's claim
+                self.protection[node] = 0
+                self.num_protected -= 1
             if not loose:
                 above = node
         if history.num_ghosts:
@@ -1608,9 +1615,39 @@ class DenseCostCore:
     def request_output_of(self, node: cython.int) -> int:
         return self.request_output[node]
 
-    def entry(self, node: cython.int) -> tuple[float, int]:
-        """`node`'s place in the eviction order: (rank, release order in fixed point)."""
-        return (self.rank[node], self.order[node])
+    def entry(self, node: cython.int) -> tuple[int, float, int]:
+        """`node`'s place in the eviction order: (protection, rank, release order in fixed
+        point)."""
+        return (self.protection[node], self.rank[node], self.order[node])
+
+    def protection_of(self, node: cython.int) -> int:
+        return self.protection[node]
+
+    def protect_n(self, nodes: list, levels: list) -> None:
+        """Give each of `nodes` (live identities) its protection level in `levels`
+        (parallel; 0: none): a protected candidate goes after every candidate of a lower
+        level, whatever its rank (`kvplug.core.queue_protection`). A block's level lasts
+        until it is changed here or the block takes a new identity."""
+        i: cython.Py_ssize_t
+        node: cython.int
+        level: cython.int
+        old: cython.int
+        for i in range(len(nodes)):
+            node = nodes[i]
+            level = levels[i]
+            old = self.protection[node]
+            if level == old or self.serial[node] < 0:
+                continue
+            self.protection[node] = level
+            if old == 0:
+                self.num_protected += 1
+            elif level == 0:
+                self.num_protected -= 1
+            if self.pos[node] >= 0:
+                if level > old:
+                    self._sift_down(self.pos[node])
+                else:
+                    self._sift_up(self.pos[node])
 
     def evictable_nodes(self) -> list[int]:
         """Every evictable node, in the order they became evictable (first first)."""
@@ -1668,6 +1705,9 @@ class DenseCostCore:
                 self._close(history.drop_oldest_ghost() & 1023, False)
         self.credit[node] = 0
         self.serial[node] = -1
+        if self.protection[node]:
+            self.protection[node] = 0
+            self.num_protected -= 1
 
     @cython.cfunc
     def _leave(self, node: cython.int) -> cython.void:
@@ -1757,6 +1797,8 @@ class DenseCostCore:
     @cython.cfunc
     @cython.inline
     def _less(self, a: cython.int, b: cython.int) -> cython.bint:
+        if self.protection[a] != self.protection[b]:
+            return self.protection[a] < self.protection[b]
         if self.rank[a] < self.rank[b]:
             return True
         return self.rank[a] == self.rank[b] and self.order[a] < self.order[b]
@@ -2113,7 +2155,7 @@ def iter_victims(core: Any, gone: list[int]) -> Any:
 
     skip = set(gone)
     children_left: dict[int, int] = {}
-    promoted: list[tuple[float, int, int]] = []
+    promoted: list[tuple[int, float, int, int]] = []
 
     def leaves(node: int) -> None:
         above = core.live_parent(node)
@@ -2126,26 +2168,26 @@ def iter_victims(core: Any, gone: list[int]) -> Any:
     for node in gone:
         leaves(node)
     heap = core.candidates()
-    frontier: list[tuple[float, int, int, int]] = []
+    frontier: list[tuple[int, float, int, int, int]] = []
     if heap:
         frontier.append((*core.entry(heap[0]), heap[0], 0))
 
-    def upcoming() -> tuple[float, int, int] | None:
+    def upcoming() -> tuple[int, float, int, int] | None:
         while frontier:
-            rank, order, node, at = heappop(frontier)
+            protection, rank, order, node, at = heappop(frontier)
             for child in (2 * at + 1, 2 * at + 2):
                 if child < len(heap):
                     heappush(frontier, (*core.entry(heap[child]), heap[child], child))
-            return (rank, order, node)
+            return (protection, rank, order, node)
         return None
 
     following = upcoming()
     while following is not None or promoted:
-        if promoted and (following is None or promoted[0][:2] < following[:2]):
-            node = heappop(promoted)[2]
+        if promoted and (following is None or promoted[0][:3] < following[:3]):
+            node = heappop(promoted)[3]
         else:
             assert following is not None
-            node = following[2]
+            node = following[3]
             following = upcoming()
             if node in skip:
                 continue

@@ -23,15 +23,28 @@ Invariants (the adapters' ``check_invariants`` audit them):
   evicting only candidates keeps every cached prefix whole (a parent outlives its
   children) and a shared root waits for the leaves below it;
 - `num_evictable` counts the evictable nodes, candidates or not; every one of them can be
-  evicted, leaves first, when nothing else is cached below it.
+  evicted, leaves first, when nothing else is cached below it;
+- a candidate is held back exactly when it is protected, and then it is not the
+  policy's; only a ranked policy's nodes are protected.
 
-Every method is O(1) plus the policy's O(log n).
+A node may also be *protected* (`protect_n`: a waiting request will hit it,
+`kvplug.core.queue_protection`) at a level above 0. A protected candidate is held back
+from the policy: the policy's candidates go first, then the held-back ones, the lowest
+level first and, within a level, in the policy's order (its entry). So the eviction
+order is by (level, entry), level 0 for every unprotected node, as the dense core
+orders its heap (`kvplug.core.dense`). A level lasts until it is changed or the node
+leaves the cache.
+
+Every method is O(1) plus the policy's O(log n); taking a held-back victim is O(h), h
+the held-back candidates (protection is bounded by the waiting requests it reads).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from heapq import heappop, heappush
+from itertools import chain
+from operator import itemgetter
 from typing import Generic, Protocol, TypeVar
 
 from kvplug.policies.base import EvictionPolicy, RankedPolicy
@@ -76,10 +89,42 @@ class EvictionCore(Generic[N]):
         self._heap_direct = isinstance(policy, RankedPolicy) and all(
             getattr(kind, name) is getattr(RankedPolicy, name) for name in _HEAP_METHODS
         )
+        self._levels: dict[int, int] = {}  # serial -> protection level, of cached nodes
+        self._held_back: dict[int, N] = {}  # serial -> protected candidate
 
     def __len__(self) -> int:
         """The number of candidates (evictable leaves)."""
-        return len(self.policy)
+        return len(self.policy) + len(self._held_back)
+
+    @property
+    def num_protected(self) -> int:
+        """The cached nodes with a protection level."""
+        return len(self._levels)
+
+    def protection_of(self, node: N) -> int:
+        return self._levels.get(node.serial, 0)
+
+    def protect_n(self, nodes: Sequence[N], levels: Sequence[int]) -> None:
+        """Give each of `nodes` (cached) its protection level in `levels` (parallel; 0:
+        none), which lasts until it is changed here or the node leaves the cache."""
+        policy = self.policy
+        if not isinstance(policy, RankedPolicy):
+            raise TypeError(f"policy {policy.name!r} ranks no nodes: none can be protected")
+        protected, held_back, candidates = self._levels, self._held_back, policy.candidate_heap()[1]
+        for node, level in zip(nodes, levels, strict=True):
+            serial = node.serial
+            old = protected.get(serial, 0)
+            if level == old:
+                continue
+            if level:
+                protected[serial] = level
+                if not old and serial in candidates:
+                    policy.discard_candidate(node)
+                    held_back[serial] = node
+            else:
+                del protected[serial]
+                if held_back.pop(serial, None) is not None:
+                    policy.add_candidate(node)
 
     def insert(self, node: N, parent: N | None, inside: Sequence[bytes] = ()) -> None:
         """`node` was cached (held by its writer), below `parent`; an engine node of
@@ -92,7 +137,7 @@ class EvictionCore(Generic[N]):
         if parent is not None:
             parent.cached_children += 1
             if parent.cached_children == 1 and parent.evictable:
-                self.policy.discard_candidate(parent)
+                self._unoffer(parent)
         self.policy.insert(node)
         if inside:
             self.policy.ghosts_inside(node, inside)
@@ -106,7 +151,7 @@ class EvictionCore(Generic[N]):
         if parent is not None:
             parent.cached_children += 1
             if parent.cached_children == 1 and parent.evictable:
-                policy.discard_candidate(parent)
+                self._unoffer(parent)
         above = parent
         for node in nodes:
             node.evictable = False
@@ -123,7 +168,7 @@ class EvictionCore(Generic[N]):
         node.evictable = True
         self.num_evictable += 1
         if node.cached_children == 0:
-            self.policy.add_candidate(node)
+            self._offer(node)
 
     def release_n(self, nodes: Sequence[N]) -> None:
         """`release` for each of `nodes`, in order (one request's blocks, freed together),
@@ -134,7 +179,11 @@ class EvictionCore(Generic[N]):
             node.evictable = True
             if node.cached_children == 0:
                 leaves.append(node)
-        self.policy.add_candidates(leaves)
+        if self._levels:
+            for node in leaves:
+                self._offer(node)
+        else:
+            self.policy.add_candidates(leaves)
         self.num_evictable += len(nodes)
 
     def restore_n(self, nodes: Sequence[N]) -> None:
@@ -155,7 +204,7 @@ class EvictionCore(Generic[N]):
             node.evictable = True
             self.num_evictable += 1
             if node.cached_children == 0:
-                policy.add_candidate(node)
+                self._offer(node)
             policy.tier_changed(node, True)
 
     def release_unranked(self, nodes: Sequence[N]) -> None:
@@ -201,7 +250,7 @@ class EvictionCore(Generic[N]):
             node.evictable = False
             self.num_evictable -= 1
             if node.cached_children == 0:
-                self.policy.discard_candidate(node)
+                self._unoffer(node)
         self._leave(node)
 
     def pop_victim(self) -> N | None:
@@ -209,7 +258,9 @@ class EvictionCore(Generic[N]):
         `next_victim` and `remove` in one step, for an adapter that evicts it at once."""
         node = self.policy.pop_first()
         if node is None:
-            return None
+            node = self._take_held_back()
+            if node is None:
+                return None
         node.evictable = False
         self.num_evictable -= 1
         self._leave(node)
@@ -237,6 +288,7 @@ class EvictionCore(Generic[N]):
                 victims.append(node)
             return victims
         heap, candidates, ranks = policy.candidate_heap()
+        protected = self._levels
         victims = []
         taken = 0
         following: N | None = None  # a parent known to be the next victim
@@ -252,7 +304,9 @@ class EvictionCore(Generic[N]):
                         node = found  # type: ignore[assignment]
                         break
                 if node is None:
-                    break
+                    node = self._take_held_back()
+                    if node is None:
+                        break
             else:
                 following = None
             node.evictable = False
@@ -261,7 +315,9 @@ class EvictionCore(Generic[N]):
                 parent.cached_children -= 1
                 if parent.cached_children == 0 and parent.evictable:
                     entry = ranks[parent.serial]
-                    if taken + 1 < n and (not heap or entry < heap[0]):
+                    if protected and parent.serial in protected:
+                        self._held_back[parent.serial] = parent
+                    elif taken + 1 < n and (not heap or entry < heap[0]):
                         following = parent  # type: ignore[assignment]
                     else:  # policy.add_candidate(parent), inlined
                         candidates[parent.serial] = parent
@@ -269,6 +325,9 @@ class EvictionCore(Generic[N]):
             victims.append(node)
             taken += 1
         self.num_evictable -= taken
+        if protected:
+            for node in victims:
+                protected.pop(node.serial, None)
         policy.remove_victims(victims)
         return victims
 
@@ -278,7 +337,9 @@ class EvictionCore(Generic[N]):
         if parent is not None and parent.serial == node.parent_serial:
             parent.cached_children -= 1
             if parent.cached_children == 0 and parent.evictable:
-                self.policy.add_candidate(parent)
+                self._offer(parent)
+        if self._levels:
+            self._levels.pop(node.serial, None)
         self.policy.remove(node)
 
     def split(self, upper: N, lower: N) -> None:
@@ -315,9 +376,10 @@ class EvictionCore(Generic[N]):
                 if node.serial not in skip:
                     yield node  # type: ignore[misc]
             return
-        promoted: list[tuple[int, N]] = []  # parents left without children
+        promoted: list[tuple[tuple[int, int], N]] = []  # parents left without children
         children_left: dict[int, int] = {}
         skip = {node.serial for node in gone}
+        levels = self._levels
 
         def leaves(node: N) -> None:
             parent = live_parent(node)
@@ -325,11 +387,22 @@ class EvictionCore(Generic[N]):
                 left = children_left.get(parent.serial, parent.cached_children) - 1
                 children_left[parent.serial] = left
                 if left == 0:
-                    heappush(promoted, (policy.entry_of(parent), parent))  # type: ignore[misc]
+                    key = (levels.get(parent.serial, 0), policy.entry_of(parent))
+                    heappush(promoted, (key, parent))  # type: ignore[misc]
 
         for node in gone:
             leaves(node)
-        candidates = policy.iter_ranked()
+        # the policy's candidates (level 0), then the held-back ones by (level, entry)
+        candidates = chain(
+            (((0, entry), node) for entry, node in policy.iter_ranked()),
+            sorted(
+                (
+                    ((levels[serial], policy.entry_of(node)), node)
+                    for serial, node in self._held_back.items()
+                ),
+                key=itemgetter(0),
+            ),
+        )
         upcoming = next(candidates, None)
         while upcoming is not None or promoted:
             if promoted and (upcoming is None or promoted[0][0] < upcoming[0]):
@@ -344,7 +417,10 @@ class EvictionCore(Generic[N]):
 
     def next_victim(self) -> N | None:
         """The candidate the policy evicts first, or None. Changes nothing."""
-        return self.policy.first_candidate()  # type: ignore[return-value]
+        first = self.policy.first_candidate()
+        if first is None and self._held_back:
+            return self._first_held_back()
+        return first  # type: ignore[return-value]
 
     def is_candidate(self, node: N) -> bool:
         return node.evictable and node.cached_children == 0
@@ -353,4 +429,29 @@ class EvictionCore(Generic[N]):
         node.evictable = False
         self.num_evictable -= 1
         if node.cached_children == 0:
+            self._unoffer(node)
+
+    def _offer(self, node: N) -> None:
+        """`node` became a candidate: the policy's, or held back if it is protected."""
+        if self._levels and node.serial in self._levels:
+            self._held_back[node.serial] = node
+        else:
+            self.policy.add_candidate(node)
+
+    def _unoffer(self, node: N) -> None:
+        """`node` is no longer a candidate."""
+        if self._held_back.pop(node.serial, None) is None:
             self.policy.discard_candidate(node)
+
+    def _first_held_back(self) -> N:
+        levels, entry_of = self._levels, self.policy.entry_of  # type: ignore[attr-defined]
+        return min(self._held_back.values(), key=lambda node: (levels[node.serial], entry_of(node)))
+
+    def _take_held_back(self) -> N | None:
+        """The held-back candidate to evict first, no longer a candidate (None: none)."""
+        if not self._held_back:
+            return None
+        node = self._first_held_back()
+        del self._held_back[node.serial]
+        self.policy.chosen = node.serial  # type: ignore[attr-defined]
+        return node

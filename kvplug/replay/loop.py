@@ -236,6 +236,8 @@ class RealisticReplay:
     def handle(self, event: Event) -> None:
         """Run one event taken off `events`."""
         self.arm.advance(event.at)
+        jobs = self.jobs
+        self.arm.protect_waiting((index, jobs[index].prompt) for index in self.waiting)
         if event.kind == EventKind.ARRIVE:
             self.arrive(event.job, event.at)
         elif self.running.get(event.job) != event.run_id:

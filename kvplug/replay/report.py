@@ -37,7 +37,11 @@ def explanations(rows: list[ReplayRow]) -> str:
 
 def table(rows: list[ReplayRow]) -> str:
     """One line per arm and capacity; `vs lru` is the arm's saved compute over lru's."""
-    lru = {r.capacity_blocks: r for r in rows if r.policy == "lru" and r.available}
+    lru = {
+        r.capacity_blocks: r
+        for r in rows
+        if r.policy.partition("+queue")[0] == "lru" and r.available
+    }
     header = (
         f"{'capacity':>9} {'arm':<18} {'hit ratio':>9} {'saved compute':>13} {'vs lru':>7} "
         f"{'evictions':>9} {'churn':>9} {'preempt':>7} {'GiB held':>8} {'time s':>6}"

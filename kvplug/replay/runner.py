@@ -19,11 +19,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvplug.core.model_spec import ModelSpec
+from kvplug.core.queue_protection import MAX_DEPTH
 from kvplug.errors import ConfigError, KVPlugError
 from kvplug.policies import (
     EvictionPolicy,
     PolicyContext,
     make_policy,
+    online_policies,
     policy_parameters,
 )
 from kvplug.policies.reload import HostLink
@@ -134,10 +136,15 @@ def build_arm(
     config: Mapping[str, Any] | None = None,
     host_blocks: int = 0,
     reload_flops: float = 0.0,
+    queue_depth: int = 0,
 ) -> CacheArm:
     """Raises `ArmUnavailable` for a stock arm whose engine is missing. With `host_blocks`,
     the vLLM arms run beside a lazily filled CPU tier of that many blocks, each reload
-    costing `reload_flops` (`kvplug.replay.arms.vllm_offload`); other arms are refused."""
+    costing `reload_flops` (`kvplug.replay.arms.vllm_offload`); other arms are refused.
+    With `queue_depth`, the arms that can (`protects_queue`) protect that many waiting
+    requests' hits (`kvplug.core.queue_protection`)."""
+    if not protects_queue(name):
+        queue_depth = 0
     spec = parse_arm(name)
     if host_blocks and spec.cache not in (Cache.VLLM_STOCK, Cache.VLLM_KVPLUG):
         raise ConfigError(
@@ -153,7 +160,7 @@ def build_arm(
             policy = arm_policy(spec.kvplug_policy, block_tokens, config)
         if host_blocks:
             return VLLMOffloadArm(capacity, host_blocks, reload_flops, policy=policy)
-        return VLLMStockArm(capacity, policy=policy)
+        return VLLMStockArm(capacity, policy=policy, queue_depth=queue_depth)
     if spec.cache is Cache.SGLANG_KVPLUG:
         from kvplug.replay.arms.sglang_kvplug import SGLangKVPlugArm
 
@@ -165,10 +172,36 @@ def build_arm(
         from kvplug.replay.arms.sglang import SGLangStockArm
 
         return SGLangStockArm(capacity, policy=spec.policy)
-    arm = KVPlugArm(name, arm_policy(name, block_tokens, config), capacity)
+    arm = KVPlugArm(name, arm_policy(name, block_tokens, config), capacity, queue_depth=queue_depth)
     if arm.cache.policy.offline:
         arm.cache.policy.foresee(requests_reaching(jobs, arm, sequential))
     return arm
+
+
+def check_queue_depth(depth: int, sequential: bool) -> None:
+    """Raise `KVPlugError` unless `depth` waiting requests can be read: 0 to `MAX_DEPTH`,
+    and only in the realistic mode (nothing waits in the sequential one)."""
+    if not 0 <= depth <= MAX_DEPTH:
+        raise KVPlugError(f"queue protection depth must be in 0..{MAX_DEPTH}, got {depth}")
+    if depth and sequential:
+        raise KVPlugError(
+            "queue protection reads the waiting queue of the realistic replay; in the "
+            "sequential replay no request waits (drop --sequential or the protection)"
+        )
+
+
+def protects_queue(name: str) -> bool:
+    """Whether arm `name` reads the replay's waiting queue when asked to (`queue_depth`): a
+    kvplug policy that learns online and that kvplug ranks itself, in kvplug's own cache
+    or in vLLM's (vLLM's stock cache, SGLang's, lru inside vLLM and the offline policies
+    read none)."""
+    spec = parse_arm(name)
+    policy = spec.kvplug_policy
+    if policy is None or policy not in online_policies():
+        return False
+    if spec.cache is Cache.VLLM_KVPLUG:
+        return not make_policy(policy).release_order
+    return spec.cache is Cache.KVPLUG
 
 
 def requests_reaching(jobs: list[Job], arm: KVPlugArm, sequential: bool) -> dict[bytes, list[int]]:
@@ -197,14 +230,18 @@ def run_replay(
     progress: Callable[[str], None] | None = None,
     policy_config: Mapping[str, Any] | None = None,
     host_blocks: int = 0,
+    queue_depth: int = 0,
 ) -> list[ReplayRow]:
     """One row per capacity x arm. `policy_config`: parameters for every arm whose policy
     takes them (`check_policy_config`). `host_blocks`: a CPU tier beside each (vLLM) arm,
-    its reloads priced by `HostLink` at `policy_config`'s link parameters."""
+    its reloads priced by `HostLink` at `policy_config`'s link parameters. `queue_depth`:
+    the arms that can (`protects_queue`) protect that many waiting requests' hits, and
+    their rows are named ``<arm>+queue<depth>``."""
     check_arm_names(arms)
     check_policy_config(arms, policy_config or {})
     if host_blocks < 0:
         raise KVPlugError(f"host_blocks must be >= 0, got {host_blocks}")
+    check_queue_depth(queue_depth, sequential)
     link = HostLink(
         (policy_config or {}).get("host_link_gbps", HostLink.gbps),
         (policy_config or {}).get("prefill_tflops", HostLink.prefill_tflops),
@@ -220,7 +257,7 @@ def run_replay(
             try:
                 arm = build_arm(
                     name, capacity, jobs, sequential, trace.block_tokens, policy_config,
-                    host_blocks=host_blocks, reload_flops=reload_flops,
+                    host_blocks=host_blocks, reload_flops=reload_flops, queue_depth=queue_depth,
                 )  # fmt: skip
             except ArmUnavailable as exc:
                 rows.append(ReplayRow(name, capacity, available=False, note=str(exc)))
@@ -231,7 +268,9 @@ def run_replay(
             )
             stats = arm.stats()
             row = ReplayRow(
-                policy=name,
+                policy=f"{name}+queue{queue_depth}"
+                if queue_depth and protects_queue(name)
+                else name,
                 capacity_blocks=capacity,
                 requests=c.requests,
                 hit_ratio=c.hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,

@@ -384,6 +384,12 @@ def kvplug_radix_cache(ctx: Any) -> Any:
 
         return default_radix_cache_factory(ctx)
     refuse_unserved(ctx)
+    if config.queue_protection.requests:
+        raise ConfigError(
+            f"kvplug config: queue_protection.requests = {config.queue_protection.requests} "
+            f"is not served by --radix-cache-backend {BACKEND} (SGLang's waiting queue is not "
+            "read yet); set it to 0"
+        )
     model = served_model(ctx.model_config, str(getattr(ctx.model_config, "model_path", "")))
     core, why = apply_kvplug(
         params,

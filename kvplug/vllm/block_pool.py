@@ -64,6 +64,7 @@ from kvplug.core.dense import (
 )
 from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.core.groups import GroupKind
+from kvplug.errors import ConfigError
 from kvplug.policies import make_policy
 from kvplug.policies.base import EvictionPolicy, RankedPolicy
 from kvplug.vllm.anchors import FULL, OTHER, WINDOW, BlockNodes, HybridRules
@@ -347,6 +348,22 @@ class KVPlugBlockPool(BlockPool):
             record.request_output,
             policy.rank_of(record) if ranked else None,
         )
+
+    def protect_n(self, block_ids: list[int], levels: list[int]) -> None:
+        """Give each cached block of `block_ids` its protection level (0: none): a waiting
+        request will hit it (`kvplug.vllm.queue_protection`). A block holding no hash the
+        pool accounts for is skipped."""
+        keys, slots = self._keys, self._slots
+        nodes, kept = [], []
+        for block_id, level in zip(block_ids, levels, strict=True):
+            if keys[block_id] is not None:
+                nodes.append(slots[block_id])
+                kept.append(level)
+        self.eviction.protect_n(nodes, kept)
+
+    def num_protected(self) -> int:
+        """Cached blocks a waiting request claims."""
+        return self.eviction.num_protected
 
     # -- vLLM's entry points -------------------------------------------------------------
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -779,7 +796,7 @@ class KVPlugBlockPool(BlockPool):
             )
             unranked = rules is not None and rules.is_unranked(record.block.block_id)
             leaves += record.evictable and found == 0 and not unranked
-        assert len(self.policy) == leaves, "the policy's candidates are not the cached leaves"
+        assert len(self.eviction) == leaves, "the candidates are not the cached leaves"
         if rules is not None:
             rules.check_invariants()
 
@@ -862,6 +879,16 @@ class ReleaseOrderPool(KVPlugBlockPool):
         """Evicted on request (a KV connector): not counted as an eviction."""
         self._num_keys -= block._block_hash is not None
         return BlockPool._maybe_evict_cached_block(self, block)
+
+    def protect_n(self, block_ids: list[int], levels: list[int]) -> None:
+        raise ConfigError(
+            f"queue protection needs a policy kvplug ranks itself, not {self.policy.name!r} "
+            "(which keeps vLLM's own free queue); use cost or learned, or set "
+            "queue_protection.requests to 0"
+        )
+
+    def num_protected(self) -> int:
+        return 0
 
     def check_invariants(self) -> None:
         """Raise AssertionError if an invariant of the module doc does not hold."""

@@ -138,8 +138,14 @@ class DenseCostPool(KVPlugBlockPool):
             core.is_held_elsewhere(block_id),
             core.hit_count(block_id),
             core.request_output_of(block_id),
-            core.entry(block_id)[0] if core.is_ranked(block_id) else None,
+            core.entry(block_id)[1] if core.is_ranked(block_id) else None,
         )
+
+    def protect_n(self, block_ids: list[int], levels: list[int]) -> None:
+        self.core.protect_n(block_ids, levels)  # (a block without an identity is skipped)
+
+    def num_protected(self) -> int:
+        return self.core.num_protected
 
     # -- vLLM's entry points -------------------------------------------------------------
     def get_num_free_blocks(self) -> int:

@@ -10,7 +10,9 @@ whose only differences are
   tenant) on top of what vLLM hashes already (LoRA, multimodal inputs, ``cache_salt``);
 - it keeps `PoolStats` and publishes them for ``/metrics``;
 - a finished request that asked (``kvplug_retain_s``) keeps its prompt prefix for a while
-  (`kvplug.vllm.retention`).
+  (`kvplug.vllm.retention`);
+- with ``queue_protection.requests`` set, the first waiting requests' cached hits are
+  evicted last (`kvplug.vllm.queue_protection`).
 
 Everything else (batching, preemption, KV events, vLLM's own metrics) is vLLM's code.
 """
@@ -36,6 +38,8 @@ from kvplug.vllm.kv_cache_manager import (
     kvplug_classes,
     matched_tokens,
 )
+from kvplug.vllm.queue_protection import PoolQueueProtection
+from kvplug.vllm.queue_protection import refusal_for as protection_refusal
 from kvplug.vllm.retention import PoolRetention, refusal_for
 from kvplug.vllm.stats import METRICS_DIR_ENV, PoolStats, SnapshotWriter
 from kvplug.vllm.version import check_vllm_version
@@ -111,6 +115,13 @@ class KVPlugSchedulerMixin:
                 )
             ),
         )
+        depth = config.queue_protection.requests
+        refusal = protection_refusal(depth, self.kvplug_pool)
+        if refusal is not None:
+            raise ConfigError(refusal)
+        self.kvplug_protection: PoolQueueProtection | None = (
+            PoolQueueProtection(self.kv_cache_manager, depth) if depth else None
+        )
         self._bytes_per_block = _bytes_per_block(kv_cache_config)
         self._model = model
         self._namespace = _namespace_parts(config, vllm_config)
@@ -143,6 +154,8 @@ class KVPlugSchedulerMixin:
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self.kvplug_retention.expire()  # (nothing to do, at once, while none is live)
+        if self.kvplug_protection is not None:
+            self.kvplug_protection.refresh(self.waiting)  # type: ignore[attr-defined]
         return super().schedule(*args, **kwargs)  # type: ignore[misc]
 
     def _tenant_of(self, request: Any) -> str:
@@ -213,6 +226,7 @@ class KVPlugSchedulerMixin:
         stats.deferred_age_steps = max((step - seq for seq, _ in deferred), default=0)
         retention = self.kvplug_retention
         stats.retained_blocks = retention.retained_blocks()
+        stats.protected_blocks = self.kvplug_pool.num_protected()
         stats.retained_bytes = {
             tenant: blocks * self._bytes_per_block
             for tenant, blocks in retention.book.by_tenant().items()

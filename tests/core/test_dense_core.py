@@ -5,10 +5,11 @@ compiled and not.
 `kvplug.core.eviction.EvictionCore` with `kvplug.policies.cost.CostPolicy` keeps it on
 node records. Random operation sequences (caching chains, releases with what the
 releasing request knew, hits, reclaims, invalidations, evictions, another tier taking a
-copy and giving a block back) run on the generic core and on the dense core, both as
-built here (compiled where a compiler was found) and from its source run as plain
-Python: every victim, rank, learned tally and ghost, and the inflation and its sort key,
-must agree, and every invariant hold.
+copy and giving a block back, a waiting request protecting a block) run on the generic
+core and on the dense core, both as built here (compiled where a compiler was found)
+and from its source run as plain Python: every victim, rank, learned tally and ghost,
+the inflation and its sort key, and the whole eviction order must agree, and every
+invariant hold.
 """
 
 from __future__ import annotations
@@ -17,29 +18,12 @@ import pytest
 from dense_plain import plain_dense_module
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from tree_node import Node
 
 import kvplug.core.dense
+from kvplug.core.dense import iter_victims
 from kvplug.core.eviction import EvictionCore, live_parent
 from kvplug.policies import make_policy
-
-
-class Node:
-    """A cached block as `EvictionCore` and `CostPolicy` read it."""
-
-    def __init__(self, serial: int, key: bytes, depth: int) -> None:
-        self.serial = serial
-        self.key = key
-        self.depth = depth
-        self.hits = 0
-        self.from_end = 0
-        self.request_hit = False
-        self.request_output = 0
-        self.held_elsewhere = False
-        self.parent: Node | None = None
-        self.parent_serial = -1
-        self.cached_children = 0
-        self.evictable = False
-
 
 PLAIN = plain_dense_module()
 # per policy: its parameters (a small shadow and window, and a margin that asks the
@@ -63,6 +47,7 @@ ops = st.lists(
         st.tuples(st.just("evict"), st.integers(1, 4)),
         st.tuples(st.just("tier"), st.integers(0, SIZE - 1)),
         st.tuples(st.just("restore"), st.integers(0, 3)),
+        st.tuples(st.just("protect"), st.integers(0, SIZE - 1), st.integers(0, 3)),
     ),
     min_size=10,
     max_size=80,
@@ -188,6 +173,10 @@ def test_the_dense_core_decides_as_the_generic_core(name, ops, tier_pricing):
                 generic.core.held_elsewhere(record)
                 for core, _, _ in dense:
                     core.held_elsewhere(block_id, True)
+        elif op[0] == "protect" and generic.nodes[op[1]] is not None:
+            generic.core.protect_n([generic.node(op[1])], [op[2]])
+            for core, _, _ in dense:
+                core.protect_n([op[1]], [op[2]])
         elif op[0] == "restore" and taken:
             ids = taken[: op[1] + 1]
             del taken[: op[1] + 1]
@@ -218,6 +207,9 @@ def test_the_dense_core_decides_as_the_generic_core(name, ops, tier_pricing):
                 getattr(policy, "explain", dict)(),
             )
             assert found == expected, f"after {op}"
+            order = [generic.nodes.index(node) for node in generic.core.iter_victims()]
+            assert list(iter_victims(core, [])) == order, f"after {op}"
+            assert core.num_protected == generic.core.num_protected
             for block_id, record in enumerate(generic.nodes):
                 if record is None:
                     assert not core.is_live(block_id)
@@ -228,8 +220,9 @@ def test_the_dense_core_decides_as_the_generic_core(name, ops, tier_pricing):
                 assert (live if live >= 0 else None) == (
                     None if parent is None else generic.nodes.index(parent)
                 )
+                assert core.protection_of(block_id) == generic.core.protection_of(record)
                 if generic.policy.has_rank(record):
-                    assert core.entry(block_id)[0] == generic.policy.rank_of(record)
+                    assert core.entry(block_id)[1] == generic.policy.rank_of(record)
 
 
 @pytest.mark.parametrize("core_class", [kvplug.core.dense.DenseCostCore, PLAIN.DenseCostCore])

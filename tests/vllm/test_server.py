@@ -363,7 +363,8 @@ BAD_CONFIGS = [
         {"polcy": "cost"},
         [
             r"unknown key 'polcy' \(accepted keys: block_size, enable_prefix_caching, "
-            r"hash_algo, namespace, policy, policy_config, retention, strict_version\)",
+            r"hash_algo, namespace, policy, policy_config, queue_protection, retention, "
+            r"strict_version\)",
             r"did you mean 'policy'\?",
             r"\(from --additional-config\)",
         ],

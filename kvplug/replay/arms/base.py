@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvplug.core.cache import KVCache
 from kvplug.core.events import EventSink
+from kvplug.core.index import Node
+from kvplug.core.queue_protection import QueueProtection
 from kvplug.policies import EvictionPolicy
 
 # unit ids at or above this are never shared; below 2**31, as vLLM 0.34 keeps token ids in
@@ -94,6 +97,12 @@ class CacheArm(ABC):
     def advance(self, now: float) -> None:
         """The replay's clock reads `now` (seconds): retention times are on it."""
 
+    def protect_waiting(self, waiting: Iterable[tuple[int, list[int]]]) -> None:
+        """The replay's waiting requests as (request id, prompt), the next to start first
+        (read lazily, before each replay event): an arm with queue protection protects
+        what the first of them would hit (`kvplug.core.queue_protection`). The engines'
+        stock caches read no queue."""
+
     def retain(self, req_id: int, seconds: float) -> bool:
         """The running request asks that its prompt's cached prefix be kept for `seconds`
         after it ends (called just before `finish`); whether anything is kept. The
@@ -110,12 +119,22 @@ class KVPlugArm(CacheArm):
         policy: EvictionPolicy,
         capacity_blocks: int,
         event_sink: EventSink | None = None,
+        queue_depth: int = 0,
     ) -> None:
+        """`queue_depth`: how many waiting requests' hits are protected (0: none)."""
         self.name = name
         self.now = 0.0
         self.cache = KVCache(
             capacity_blocks, 1, policy=policy, event_sink=event_sink, clock=lambda: self.now
         )
+        self.queue_protection: QueueProtection[Node] | None = (
+            QueueProtection(queue_depth, self.cache) if queue_depth else None
+        )
+
+    def protect_waiting(self, waiting: Iterable[tuple[int, list[int]]]) -> None:
+        if self.queue_protection is not None:
+            match = self.cache.match
+            self.queue_protection.refresh(match(prompt) for _, prompt in waiting)
 
     def advance(self, now: float) -> None:
         self.now = now

@@ -53,8 +53,10 @@ nothing for full attention).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from kvplug.errors import ConfigError
 from kvplug.replay.arms.base import ArmStats, CacheArm, require_engine
 
 if TYPE_CHECKING:
@@ -62,11 +64,19 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvplug.policies.base import EvictionPolicy
+    from kvplug.vllm.queue_protection import PoolQueueProtection
     from kvplug.vllm.retention import PoolRetention
 
 SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")  # their differences: kvplug.vllm.compat
 HASH_ALGORITHM = "sha256"  # vLLM's default CacheConfig.prefix_caching_hash_algo
 MAX_MODEL_LEN = 1 << 62  # no request is cut short by the model length
+
+
+def make_request(req_id: int, prompt: list[int], params: Any, block_hasher: Any) -> Request:
+    """A vLLM `Request` for a replay request, its blocks hashed by `block_hasher`."""
+    from vllm.v1.request import Request
+
+    return Request(str(req_id), list(prompt), params, None, block_hasher=block_hasher)
 
 
 def check_vllm() -> None:
@@ -91,7 +101,11 @@ class VLLMStockArm(CacheArm):
     name = "vllm-stock"
     connector = False  # whether a KV connector loads external tokens (an offload tier)
 
-    def __init__(self, capacity_blocks: int, policy: EvictionPolicy | None = None) -> None:
+    def __init__(
+        self, capacity_blocks: int, policy: EvictionPolicy | None = None, queue_depth: int = 0
+    ) -> None:
+        """`queue_depth`: with a kvplug policy, how many waiting requests claim their hits
+        (`kvplug.vllm.queue_protection`, as the scheduler does each step; 0: none)."""
         check_vllm()
         import torch
         from vllm.sampling_params import SamplingParams
@@ -136,19 +150,36 @@ class VLLMStockArm(CacheArm):
                 self.manager.block_pool.stats,
                 clock=lambda: self.now,
             )
+        self.protection: PoolQueueProtection | None = None
+        self._waiting: dict[int, Request] = {}  # waiting requests, hashed once
+        if queue_depth:
+            from kvplug.vllm.queue_protection import PoolQueueProtection, refusal_for
+
+            refusal = refusal_for(queue_depth, self.manager.block_pool)
+            if refusal is not None:
+                raise ConfigError(refusal)
+            self.protection = PoolQueueProtection(self.manager, queue_depth)
+
+    def protect_waiting(self, waiting: Iterable[tuple[int, list[int]]]) -> None:
+        if self.protection is not None:
+            self.protection.refresh(self._waiting_request(*item) for item in waiting)
+
+    def _waiting_request(self, req_id: int, prompt: list[int]) -> Request:
+        request = self._waiting.get(req_id)
+        if request is None:
+            request = self._waiting[req_id] = make_request(
+                req_id, prompt, self._sampling_params, self._block_hasher
+            )
+        return request
 
     def admit(self, req_id: int, prompt: list[int], compute: int) -> int | None:
-        from vllm.v1.request import Request, RequestStatus
+        from vllm.v1.request import RequestStatus
 
         if req_id in self._requests:
             raise ValueError(f"request {req_id} is already running")
-        request = Request(
-            str(req_id),
-            list(prompt),
-            self._sampling_params,
-            None,
-            block_hasher=self._block_hasher,
-        )
+        request = self._waiting.pop(req_id, None)
+        if request is None or request.prompt_token_ids != prompt:
+            request = make_request(req_id, prompt, self._sampling_params, self._block_hasher)
         hit_blocks, num_hits, _ = self.manager.get_computed_blocks(request)
         # Hits past `compute` are adopted with no new slots, which allocate_slots allows.
         num_new = max(compute - num_hits, 0)

@@ -91,6 +91,7 @@ from kvplug.replay.arms.vllm import (
     _drop_last_tokens,
     build_manager,
     check_vllm,
+    make_request,
 )
 
 if TYPE_CHECKING:
@@ -185,17 +186,11 @@ class VLLMHybridArm(CacheArm):
         self._churn = 0
 
     def admit(self, req_id: int, prompt: list[int], compute: int) -> int | None:
-        from vllm.v1.request import Request, RequestStatus
+        from vllm.v1.request import RequestStatus
 
         if req_id in self._requests:
             raise ValueError(f"request {req_id} is already running")
-        request = Request(
-            str(req_id),
-            list(prompt),
-            self._sampling_params,
-            None,
-            block_hasher=self._block_hasher,
-        )
+        request = make_request(req_id, prompt, self._sampling_params, self._block_hasher)
         manager = self.manager
         manager.new_step_starts()
         hit_blocks, num_hits, request.shared_prefix_boundary = manager.get_computed_blocks(request)
