@@ -27,8 +27,9 @@ from kvplug.replay.sources import load_trace
     "policies",
     default="lru,cost,vllm-stock,sglang-stock",
     show_default=True,
-    help="Arms, comma-separated: lru, cost (kvplug's hybrid cache), vllm-stock, "
-    "vllm-kvplug:<policy>, sglang-stock[:<policy>], sglang-kvplug:<policy>.",
+    help="Arms, comma-separated: lru, cost, belady (kvplug's hybrid cache; belady: the "
+    "offline bound), vllm-stock, vllm-kvplug:<policy>, sglang-stock[:<policy>], "
+    "sglang-kvplug:<policy>.",
 )
 @click.option(
     "--full-attention-policy",

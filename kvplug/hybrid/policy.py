@@ -2,11 +2,18 @@
 
 Both are `HybridRecord`s, read by a policy through the `CachedNode` contract; one policy
 instance ranks both kinds, so one decision spans the groups. `lru` orders them by release.
-`cost` is `JunctionCostPolicy`.
+`cost` is `JunctionCostPolicy`. `belady` (the replay only: it needs the future) evicts
+the record whose node the next request to pass it reaches farthest in the future
+(`hybrid_requests_reaching`): an offline reference for the victim choice. It is no
+bound: a junction serves only the requests whose hit ends there, not every request that
+passes its node, and Belady's rule ignores what running requests hold, so in some cells
+`cost` saves more.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,7 +25,8 @@ from kvplug.policies.node import CachedNode
 if TYPE_CHECKING:
     from kvplug.hybrid.cache import HybridNode
 
-HYBRID_POLICIES = ("lru", "cost")
+HYBRID_POLICIES = ("lru", "cost", "belady")
+OFFLINE_HYBRID_POLICIES = ("belady",)  # the replay's own cache only
 GHOST_FLOOR = 64  # ghosts kept however few records are ranked
 
 
@@ -119,4 +127,26 @@ def make_hybrid_policy(name: str, block_tokens: int) -> EvictionPolicy:
 # The subclass the hybrid cache runs for a policy name (`PolicyContext.variants`).
 HYBRID_VARIANTS: dict[str, type[EvictionPolicy]] = {"cost": JunctionCostPolicy}
 
-__all__ = ["HYBRID_POLICIES", "HybridRecord", "JunctionCostPolicy", "make_hybrid_policy"]
+
+def hybrid_requests_reaching(prompts: Sequence[Sequence[int]]) -> dict[int, list[int]]:
+    """Each hybrid-cache node key -> the indices of the prompts that pass through it, in
+    order (prompt ``i`` is request ``i``; each lists its cacheable units): the future
+    `belady` reads. A node's key chains its parent's with its unit, as
+    `kvplug.hybrid.cache.HybridCache` keys it (the root's is 0)."""
+    uses: dict[int, list[int]] = defaultdict(list)
+    for index, units in enumerate(prompts):
+        key = 0
+        for unit in units:
+            key = hash((key, unit))
+            uses[key].append(index)
+    return dict(uses)
+
+
+__all__ = [
+    "HYBRID_POLICIES",
+    "OFFLINE_HYBRID_POLICIES",
+    "HybridRecord",
+    "JunctionCostPolicy",
+    "hybrid_requests_reaching",
+    "make_hybrid_policy",
+]

@@ -27,13 +27,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from kvplug.core.groups import GroupKind
-from kvplug.errors import KVPlugError
+from kvplug.errors import KVPlugError, UnknownPolicyError
 from kvplug.hybrid.cache import HybridCache
-from kvplug.hybrid.policy import HYBRID_POLICIES
+from kvplug.hybrid.policy import (
+    HYBRID_POLICIES,
+    OFFLINE_HYBRID_POLICIES,
+    hybrid_requests_reaching,
+)
 from kvplug.hybrid.spec import HybridSpec
 from kvplug.replay.arm_spec import Cache, parse_arm, parse_arms
 from kvplug.replay.arms.base import FRESH_UNIT_BASE, ArmStats, ArmUnavailable, CacheArm
 from kvplug.replay.loop import Job, Timing, make_jobs, replay
+from kvplug.replay.runner import replay_clock
 from kvplug.replay.trace import Trace
 
 GIB = 1024**3
@@ -50,10 +55,7 @@ class HybridKVPlugArm(CacheArm):
     def admit(self, req_id: int, prompt: list[int], compute: int) -> int | None:
         # The replay marks a partial last block (and the sequential sentinel) with a fresh
         # id; the prompt's full units end before it, as an engine's full blocks do.
-        cacheable = next((i for i, unit in enumerate(prompt) if unit >= FRESH_UNIT_BASE), None)
-        return self.cache.admit(
-            req_id, prompt, compute, len(prompt) if cacheable is None else cacheable
-        )
+        return self.cache.admit(req_id, prompt, compute, cacheable_units(prompt))
 
     @property
     def group_hits(self) -> dict[str, int]:
@@ -102,14 +104,26 @@ class HybridRow:
 
 
 def check_hybrid_arms(names: list[str]) -> None:
-    """Raise, naming what is accepted, if any hybrid arm name is unknown."""
-    parse_arms(names, HYBRID_POLICIES, "hybrid arm")
+    """Raise, naming what is accepted, if any hybrid arm name is unknown, or names an
+    offline policy inside an engine (it needs the replay's future: kvplug's own cache)."""
+    for spec in parse_arms(names, HYBRID_POLICIES, "hybrid arm"):
+        if spec.engine is not None and spec.policy in OFFLINE_HYBRID_POLICIES:
+            raise UnknownPolicyError(
+                f"hybrid arm {spec.name!r}: {spec.policy} needs the future and runs in "
+                f"kvplug's own hybrid cache only (arm {spec.policy!r})"
+            )
 
 
 def build_hybrid_arm(
-    name: str, spec: HybridSpec, capacity_bytes: int, block_tokens: int
+    name: str,
+    spec: HybridSpec,
+    capacity_bytes: int,
+    block_tokens: int,
+    jobs: list[Job] | None = None,
 ) -> CacheArm:
-    """Raises `ArmUnavailable` when the arm's engine is missing."""
+    """Raises `ArmUnavailable` when the arm's engine is missing. An offline policy
+    (`belady`) reads the future from `jobs`."""
+    check_hybrid_arms([name])
     arm_spec = parse_arm(name, HYBRID_POLICIES, "hybrid arm")
     policy = arm_spec.kvplug_policy
     if arm_spec.engine == "vllm":
@@ -137,7 +151,20 @@ def build_hybrid_arm(
         )
         arm.name = name
         return arm
-    return HybridKVPlugArm(spec, capacity_bytes, block_tokens, name)
+    arm = HybridKVPlugArm(spec, capacity_bytes, block_tokens, name)
+    policy_object = arm.cache.policy
+    if policy_object.offline:
+        if jobs is None:
+            raise KVPlugError(f"the {name} arm needs the future: give it the replay's jobs")
+        prompts = [job.prompt[: cacheable_units(job.prompt)] for job in jobs]
+        policy_object.foresee(hybrid_requests_reaching(prompts))
+    return arm
+
+
+def cacheable_units(prompt: list[int]) -> int:
+    """The prompt's full units: those before its first fresh unit (a partial last block,
+    or the sequential replay's sentinel)."""
+    return next((i for i, unit in enumerate(prompt) if unit >= FRESH_UNIT_BASE), len(prompt))
 
 
 def capacity_bytes_for(spec: HybridSpec, trace: Trace, fraction: float) -> int:
@@ -173,7 +200,7 @@ def run_hybrid_replay(
         for model, name in runs:
             row = HybridRow(model.name, name, fraction, capacity / GIB)
             try:
-                arm = build_hybrid_arm(name, model, capacity, trace.block_tokens)
+                arm = build_hybrid_arm(name, model, capacity, trace.block_tokens, jobs[model.name])
             except (ArmUnavailable, ValueError) as exc:
                 row.available, row.note = False, str(exc)
                 rows.append(row)
@@ -261,7 +288,12 @@ def _replay_row(
     sampler = _Sampler(arm)
     start = time.perf_counter()
     counters = replay(
-        _SampledArm(arm, sampler, jobs), jobs, block_tokens, sequential=sequential, timing=timing
+        _SampledArm(arm, sampler, jobs),
+        jobs,
+        block_tokens,
+        sequential=sequential,
+        timing=timing,
+        on_admit=replay_clock(arm),
     )
     row.seconds = time.perf_counter() - start
     prompt_tokens = max(counters.prompt_tokens, 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -11,9 +12,10 @@ from hypothesis import strategies as st
 
 from kvplug.cli import main
 from kvplug.core.groups import GroupKind
-from kvplug.errors import ConfigError, UnknownPolicyError
+from kvplug.errors import ConfigError, KVPlugError, UnknownPolicyError
 from kvplug.hybrid.cache import HybridCache
 from kvplug.hybrid.junction import Holdings, longest_hits
+from kvplug.hybrid.policy import hybrid_requests_reaching
 from kvplug.hybrid.spec import (
     HYBRID_PRESETS,
     HybridSpec,
@@ -21,7 +23,16 @@ from kvplug.hybrid.spec import (
     hybrid_from_hf_config,
     load_hybrid,
 )
-from kvplug.replay.hybrid import HybridKVPlugArm, check_hybrid_arms, run_hybrid_replay
+from kvplug.replay.hybrid import (
+    HybridKVPlugArm,
+    build_hybrid_arm,
+    cacheable_units,
+    capacity_bytes_for,
+    check_hybrid_arms,
+    run_hybrid_replay,
+)
+from kvplug.replay.loop import make_jobs, replay
+from kvplug.replay.runner import replay_clock
 from kvplug.replay.synthetic import synthetic_trace
 
 FULL, WINDOW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
@@ -231,10 +242,32 @@ def test_a_refused_admission_changes_nothing():
 
 
 def test_unknown_hybrid_policy_names_the_accepted():
-    with pytest.raises(UnknownPolicyError, match="accepted: lru, cost"):
+    with pytest.raises(UnknownPolicyError, match="accepted: lru, cost, belady"):
         _cache(GEMMA, 10, policy="lfu")
     with pytest.raises(UnknownPolicyError, match="vllm-kvplug"):
         check_hybrid_arms(["nope"])
+    with pytest.raises(UnknownPolicyError, match="belady needs the future"):
+        check_hybrid_arms(["vllm-kvplug:belady"])
+
+
+def test_belady_in_the_hybrid_cache_ranks_each_record_by_its_nodes_next_pass():
+    """The offline reference: a record's rank is minus the index of the next request
+    whose prompt passes its node, read from the replay's jobs, on the replay's clock."""
+    trace = synthetic_trace("multi-turn", seed=3)
+    jobs = make_jobs(trace, GEMMA)
+    capacity = capacity_bytes_for(GEMMA, trace, 0.1)
+    arm = build_hybrid_arm("belady", GEMMA, capacity, trace.block_tokens, jobs)
+    policy = arm.cache.policy
+    reaching = hybrid_requests_reaching([job.prompt[: cacheable_units(job.prompt)] for job in jobs])
+    replay(arm, jobs, trace.block_tokens, on_admit=replay_clock(arm))
+    assert policy.now == jobs[-1].index
+    arm.cache.check_invariants()
+    for node in arm.cache.nodes():
+        uses = reaching[node.key]
+        later = [i for i in uses if i > policy.now]
+        assert policy.rank(SimpleNamespace(key=node.key)) == -(later[0] if later else float("inf"))
+    with pytest.raises(KVPlugError, match="needs the future"):
+        build_hybrid_arm("belady", GEMMA, capacity, trace.block_tokens)
 
 
 def test_cost_ghost_history_is_sized_in_ranked_records(monkeypatch):

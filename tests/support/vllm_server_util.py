@@ -97,8 +97,15 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def complete(self, prompt: str, max_tokens: int = 4, tenant: str | None = None) -> Completion:
-        """One greedy /v1/completions request, recorded in `sent`."""
+    def complete(
+        self,
+        prompt: str,
+        max_tokens: int = 4,
+        tenant: str | None = None,
+        xargs: dict[str, Any] | None = None,
+    ) -> Completion:
+        """One greedy /v1/completions request, recorded in `sent`; `xargs`: more
+        ``vllm_xargs`` (kvplug's per-request arguments)."""
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
@@ -106,8 +113,8 @@ class Server:
             "temperature": 0,
             "ignore_eos": True,
         }
-        if tenant is not None:
-            body["vllm_xargs"] = {"kvplug_tenant": tenant}
+        if tenant is not None or xargs:
+            body["vllm_xargs"] = {**({"kvplug_tenant": tenant} if tenant else {}), **(xargs or {})}
         response = httpx.post(f"{self.url}/v1/completions", json=body, timeout=120)
         response.raise_for_status()
         data = response.json()

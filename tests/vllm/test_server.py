@@ -236,11 +236,12 @@ def send(
     prompt: str,
     tenant: str | None = None,
     max_tokens: int = 4,
+    xargs: dict | None = None,
 ) -> Completion:
     """A completion request, with the prompt's token ids noted in `tokens`."""
     if prompt not in tokens:
         tokens[prompt] = server.tokenize(prompt)
-    completion = server.complete(prompt, max_tokens=max_tokens, tenant=tenant)
+    completion = server.complete(prompt, max_tokens=max_tokens, tenant=tenant, xargs=xargs)
     assert completion.prompt_tokens == len(tokens[prompt])
     return completion
 
@@ -346,6 +347,29 @@ class TestKVPlugServer:
         )
         assert samples["kvplug_evictions_total"] > 0  # the three big prompts overflow the pool
         assert samples["kvplug_deferred_blocks"] == samples["kvplug_deferred_age_steps"] == 0
+
+    def test_a_prefix_kept_on_request_outlives_a_flood(
+        self, server: Server, model_dir: Path, tokens: dict[str, list[int]]
+    ) -> None:
+        """Last: its retention holds blocks for the rest of the server's life.
+        ``vllm_xargs: {"kvplug_retain_s": 600}`` keeps the prompt's cached blocks (within
+        the default tenant's quarter of the 48-block pool), /metrics shows them, and the
+        prompt is a full hit again after prompts that overflow the pool."""
+        prompt = words(seed=7, n=150)
+        send(server, tokens, prompt, xargs={"kvplug_retain_s": 600})
+        full_hit = expected_hit(tokens[prompt], [tokens[prompt]])
+        assert 0 < full_hit <= 12 * BLOCK_SIZE
+        samples = poll_metrics(server, lambda s: s.get("kvplug_retentions_total") == 1)
+        assert samples["kvplug_retentions_total"] == 1
+        assert samples["kvplug_retained_blocks"] == full_hit // BLOCK_SIZE
+        text = server.metrics_text()
+        kept = re.search(r'^kvplug_retained_bytes\{[^}]*tenant=""[^}]*\} (\S+)', text, re.M)
+        assert kept is not None and float(kept.group(1)) == (
+            full_hit // BLOCK_SIZE * bytes_per_block(model_dir)
+        ), text
+        for seed in range(200, 203):  # each nearly fills what the retention leaves
+            assert send(server, tokens, words(seed=seed, n=600)).cached_tokens == 0
+        assert send(server, tokens, prompt).cached_tokens == full_hit
 
 
 # -- bad kvplug configs refuse to start --------------------------------------------------------
