@@ -112,8 +112,9 @@ def _check_blocks(cache: KVCache, tables: Counter[int]) -> None:
 
 
 def _check_index(cache: KVCache) -> None:
-    """The index is prefix-closed, its blocks are cached, and the eviction core's child
-    counts are the index's."""
+    """The index is prefix-closed, its blocks are cached, the eviction core's child
+    counts are the index's, and its protection levels are on indexed nodes only."""
+    cache.prefix.eviction.check_protection(list(cache.index.nodes()))
     for node in cache.index.nodes():
         block = node.block
         assert block is not None and block.node is node

@@ -38,7 +38,9 @@ Invariants (`check_invariants`):
   slot sorts no earlier than its parent slot by ``(rank, order)``;
 - ``num_evictable`` counts the evictable identities; ``children[b]`` counts the live
   identities whose live parent is ``b``;
-- the fresh list holds ``num_fresh`` blocks, none of them a live identity.
+- the fresh list holds ``num_fresh`` blocks, none of them a live identity;
+- only live identities have a protection level (`protect_n`), and ``num_protected``
+  counts them.
 """
 
 from __future__ import annotations
@@ -1680,6 +1682,9 @@ class DenseCostCore:
             if leaf:
                 assert self.heap[self.pos[node]] == node, f"block {node}: heap slot"
         assert evictable == self.num_evictable, "evictable count"
+        protected = [node for node in range(n) if self.protection[node]]
+        assert all(self.serial[node] >= 0 for node in protected), "a claim without an identity"
+        assert len(protected) == self.num_protected, "protected count"
         for i in range(1, self.size):
             assert not self._less(self.heap[i], self.heap[(i - 1) >> 1]), "heap order"
         fresh = self.fresh_nodes()

@@ -104,6 +104,20 @@ class EvictionCore(Generic[N]):
     def protection_of(self, node: N) -> int:
         return self._levels.get(node.serial, 0)
 
+    def check_protection(self, cached: Sequence[N]) -> None:
+        """Raise AssertionError unless every level belongs to one of the `cached` nodes
+        (every node in the cache), a held-back node is a protected evictable leaf, and no
+        protected node is among the policy's candidates."""
+        serials = {node.serial for node in cached}
+        assert set(self._levels) <= serials, "a level outlived its node"
+        policy = self.policy
+        in_policy = policy.candidate_heap()[1] if isinstance(policy, RankedPolicy) else {}
+        for node in cached:
+            protected = node.serial in self._levels
+            if node.serial in self._held_back:
+                assert protected and node.evictable and node.cached_children == 0, "held back"
+            assert not (protected and node.serial in in_policy), "a protected policy candidate"
+
     def protect_n(self, nodes: Sequence[N], levels: Sequence[int]) -> None:
         """Give each of `nodes` (cached) its protection level in `levels` (parallel; 0:
         none), which lasts until it is changed here or the node leaves the cache."""

@@ -797,6 +797,7 @@ class KVPlugBlockPool(BlockPool):
             unranked = rules is not None and rules.is_unranked(record.block.block_id)
             leaves += record.evictable and found == 0 and not unranked
         assert len(self.eviction) == leaves, "the candidates are not the cached leaves"
+        self.eviction.check_protection(records)
         if rules is not None:
             rules.check_invariants()
 

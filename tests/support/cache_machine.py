@@ -33,6 +33,7 @@ from hypothesis.stateful import (
 from kvplug.core.cache import KVCache
 from kvplug.core.keys import Namespace
 from kvplug.core.pool import BlockState
+from kvplug.core.queue_protection import QueueProtection
 from kvplug.core.retention import RetentionBook
 from kvplug.errors import (
     CapacityError,
@@ -42,6 +43,7 @@ from kvplug.errors import (
     UnknownRequestError,
 )
 from kvplug.policies import EvictionPolicy, make_policy
+from kvplug.policies.base import RankedPolicy
 from kvplug.policies.offline.belady import BeladyPolicy
 from kvplug.policies.offline.rate_oracle import RateOraclePolicy
 
@@ -301,6 +303,29 @@ class CacheMachine(RuleBasedStateMachine):
             assert block.state in (BlockState.PUBLISHED, BlockState.EVICTABLE)
             assert block.write_step <= self.cache.last_fence, "unfenced block visible"
             assert self.content[block.block_id] == prompt[i * self.bs : (i + 1) * self.bs]
+
+    @rule(waiting=st.lists(st.tuples(prompts, st.sampled_from(TENANTS)), max_size=3))
+    def waiting_requests_claim(self, waiting: list) -> None:
+        """Requests waiting to start claim what they would hit (queue protection): an
+        eviction then takes an unclaimed candidate while one is left."""
+        if not isinstance(self.cache.policy, RankedPolicy):
+            return
+        claims = [self.cache.match(prompt, namespace=tenant) for prompt, tenant in waiting]
+        protection = getattr(self, "protection", None)
+        if protection is None:
+            protection = self.protection = QueueProtection(2, self.cache)
+        protection.refresh(claims)
+        claimed = {id(node) for claim in claims[:2] for node in claim}
+        eviction = self.cache.prefix.eviction
+        unclaimed = [
+            node
+            for node in self.cache.index.nodes()
+            if node.evictable and node.cached_children == 0 and id(node) not in claimed
+        ]
+        victim = eviction.next_victim()
+        if unclaimed and victim is not None:
+            assert id(victim) not in claimed, "a claimed block before an unclaimed one"
+            event("claimed blocks passed over")
 
     @rule(tenant=st.sampled_from((None, *TENANTS)))
     def invalidate(self, tenant) -> None:

@@ -147,3 +147,20 @@ def test_a_kept_claim_names_the_blocks_a_fresh_lookup_finds(ops) -> None:
         ]  # fmt: skip
         assert kept == fresh
         arm.manager.block_pool.check_invariants()
+
+
+@pytest.mark.parametrize("dense", ["1", "0"])
+def test_a_prefix_cache_reset_ends_every_claim(dense, monkeypatch) -> None:
+    monkeypatch.setenv(CHOICE_VARIABLE, dense)
+    arm = VLLMStockArm(20, make_policy("cost"), queue_depth=4)
+    waiting = _prompt(100, 6, 0)
+    _fill(arm, waiting)
+    arm.protect_waiting([(50, waiting)])
+    pool = arm.manager.block_pool
+    assert pool.num_protected() == 6
+    assert pool.reset_prefix_cache()
+    pool.check_invariants()
+    assert pool.num_protected() == 0
+    arm.protect_waiting([(50, waiting)])  # nothing cached: nothing claimed, old claims cleared
+    assert pool.num_protected() == 0 and arm.protection.protection.live == {}
+    pool.check_invariants()
