@@ -50,6 +50,8 @@ from kvplug.core.model_spec import ModelSpec, load_model, served_model
 from kvplug.errors import ConfigError
 from kvplug.sglang.components import kvplug_components
 from kvplug.sglang.namespace import RequestNamespace, first_sight
+from kvplug.sglang.queue_protection import TreeQueueProtection
+from kvplug.sglang.queue_protection import refusal_for as protection_refusal
 from kvplug.sglang.retention import TreeRetention, refusal_for
 from kvplug.sglang.stats import CacheStats, PrometheusExporter
 from kvplug.sglang.strategy import PREFIX, load_config, policy_name
@@ -79,6 +81,7 @@ class KVPlugRadixCache(UnifiedRadixCache):
     kvplug_exporter: PrometheusExporter | None = None
     kvplug_stats: CacheStats
     kvplug_retention: TreeRetention | None = None  # what finished requests asked to keep
+    kvplug_protection: TreeQueueProtection | None = None  # what waiting requests will hit
 
     def match_prefix(self, params: Any) -> Any:
         retention = self.kvplug_retention
@@ -100,6 +103,9 @@ class KVPlugRadixCache(UnifiedRadixCache):
                 ),
             )
         result = super().match_prefix(params)
+        protection = self.kvplug_protection
+        if protection is not None and req is not None:
+            protection.matched(req, self.tree_core.last_matched)
         if retention is not None and retention.book.live and req is not None:
             # SGLang admits a request when its new tokens fit in the free and evictable
             # slots: retained paths (locked) give way first, oldest first, so that a
@@ -138,6 +144,8 @@ class KVPlugRadixCache(UnifiedRadixCache):
     def evict_for_alloc(self, params: Any, **kwargs: Any) -> Any:
         # SGLang's allocation walk runs to a target, past the tokens it names; those
         # are what partial eviction frees (`KVPlugTreeCore.split_victim`)
+        if self.kvplug_protection is not None:
+            self.kvplug_protection.refresh()
         retention = self.kvplug_retention
         if retention is None or not retention.book.live or kwargs:
             return self._evict_for_alloc(params, **kwargs)
@@ -164,6 +172,8 @@ class KVPlugRadixCache(UnifiedRadixCache):
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         self.tree_core.releasing = None
         super().on_release(req, checkpointed=checkpointed)
+        if req.finished() and self.kvplug_protection is not None:
+            self.kvplug_protection.forget(req)
         if req.finished() and not getattr(req, "kvplug_counted", False):
             req.kvplug_counted = True  # a request is released once per retraction too
             self._count_request(len(req.origin_input_ids), req.cached_tokens)
@@ -186,6 +196,8 @@ class KVPlugRadixCache(UnifiedRadixCache):
                 stats.bytes_held = int(tokens * model.kv_bytes_per_token())
             if self.kvplug_retention is not None:
                 stats.retained_blocks = self.kvplug_retention.retained_blocks()
+            if self.kvplug_protection is not None:
+                stats.protected_blocks = self.kvplug_protection.protected_pages()
             exporter.publish(stats)
 
 
@@ -316,6 +328,11 @@ def attach(
         config.retention.default_seconds,
         refusal_for(tuple(cache.tree_components) == (FULL,), tp_size),
     )
+    depth = config.queue_protection.requests
+    refusal = protection_refusal(depth, tuple(cache.tree_components) == (FULL,))
+    if refusal is not None:
+        raise ConfigError(refusal)
+    cache.kvplug_protection = TreeQueueProtection(cache, depth) if depth else None
 
 
 def server_config(params: Any, server_args: Any) -> KVPlugConfig:
@@ -384,12 +401,6 @@ def kvplug_radix_cache(ctx: Any) -> Any:
 
         return default_radix_cache_factory(ctx)
     refuse_unserved(ctx)
-    if config.queue_protection.requests:
-        raise ConfigError(
-            f"kvplug config: queue_protection.requests = {config.queue_protection.requests} "
-            f"is not served by --radix-cache-backend {BACKEND} (SGLang's waiting queue is not "
-            "read yet); set it to 0"
-        )
     model = served_model(ctx.model_config, str(getattr(ctx.model_config, "model_path", "")))
     core, why = apply_kvplug(
         params,

@@ -131,6 +131,7 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
         self.victim_ends = spanning(self.eviction.policy)
         self.keyed = self.eviction.policy.reads_keys
         self.records: dict[int, MirrorRecord] = {}  # node id -> record
+        self.last_matched: list[MirrorRecord] = []  # the path of the latest match
         self._children: dict[tuple[Any, ...], MirrorRecord] = {}  # child index
         self._serials = count()
         self._inserting: Any = None  # an insert's params, until its last step
@@ -164,7 +165,12 @@ class KVPlugRustTreeCore(RustUnifiedTreeCore):
                 touched.append(found)
         for found in touched:  # root first: SGLang stamps parents older
             self._accessed(found)
+        self.last_matched = touched
         return result
+
+    def holds(self, record: NodeRecord) -> bool:
+        """Whether `record` is still its node's."""
+        return self.records.get(record.node) is record
 
     def begin_insert(self, params: Any) -> Any:
         self._inserting = params

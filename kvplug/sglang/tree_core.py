@@ -286,6 +286,7 @@ class KVPlugTreeCoreMixin:
         )
         self._splitting_victim = False
         self.records = {}
+        self.last_matched: list[NodeRecord] = []  # the device path of the latest match
         self.host: RankedSet[StateRecord] | None = None  # built at the first demotion
         self.host_records: dict[int, StateRecord] = {}  # node id -> host-only member
         self._serials = count()
@@ -381,12 +382,19 @@ class KVPlugTreeCoreMixin:
             elif node.id in host_members:
                 touched.append(host_members[node.id])
             node = node.parent
+        matched = []
         for record in reversed(touched):  # root first: SGLang stamps parents older
             if isinstance(record, NodeRecord):
                 self._accessed(record)
+                matched.append(record)
             elif self.host is not None:
                 self.host.touch(record)
+        self.last_matched = matched
         return result
+
+    def holds(self, record: NodeRecord) -> bool:
+        """Whether `record` is still its node's, the node holding device KV."""
+        return self.records.get(record.node.id) is record
 
     def _accessed(self, record: NodeRecord) -> None:
         accessed(self.eviction, record)

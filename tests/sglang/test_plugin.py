@@ -242,11 +242,6 @@ def test_config_from_the_environment(tmp_path: Any, monkeypatch: pytest.MonkeyPa
         ("kvplug-cost", {"policy": "lru"}, r"contradicts --radix-eviction-policy kvplug-cost"),
         ("lfu", None, r"--radix-eviction-policy lfu is SGLang's; use kvplug-<name>"),
         ("kvplug-cost", {"block_size": 16}, r"block_size 16 cannot be served"),
-        (
-            "kvplug-cost",
-            {"queue_protection": {"requests": 8}},
-            r"queue_protection.requests = 8 is not served by --radix-cache-backend kvplug",
-        ),
     ],
 )
 def test_bad_config_stops_the_launch(policy: str, config: dict | None, message: str) -> None:

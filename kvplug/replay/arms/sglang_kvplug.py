@@ -31,9 +31,13 @@ class SGLangKVPlugArm(SGLangStockArm):
         *,
         policy_config: dict[str, Any] | None = None,
         tree_core: str | None = None,
+        queue_depth: int = 0,
         **kwargs: Any,
     ) -> None:
+        """`queue_depth`: the cache's ``queue_protection.requests`` (it protects what the
+        requests matched while waiting will hit, `kvplug.sglang.queue_protection`)."""
         self.policy_config = dict(policy_config or {})
+        self.queue_depth = queue_depth
         super().__init__(capacity_blocks, policy, tree_core=tree_core, **kwargs)
 
     def _check_policy(self, policy: str) -> None:
@@ -42,7 +46,13 @@ class SGLangKVPlugArm(SGLangStockArm):
     def _build_cache(self, params: Any, policy: str) -> Any:
         from kvplug.sglang.backend import build_cache
 
-        config = KVPlugConfig(policy=policy, policy_config=self.policy_config)
+        config = KVPlugConfig.load(
+            {
+                "policy": policy,
+                "policy_config": self.policy_config,
+                "queue_protection": {"requests": self.queue_depth},
+            }
+        )
         cache = build_cache(params, config, tree_core=self.tree_core)
         self.now = 0.0
         cache.kvplug_retention.clock = lambda: self.now  # the replay's clock
