@@ -68,21 +68,11 @@ class QueueProtection(Generic[T]):
         self.depth = depth
         self.target = target
         self.live: dict[T, int] = {}
-        self.refreshes = 0  # refreshes that read a non-empty queue or cleared claims
-        self.claims_read = 0  # waiting requests whose hits were read, over all refreshes
 
     def refresh(self, claims: Iterable[Sequence[T]]) -> None:
         """Protect the blocks of the first `depth` `claims` (one per waiting request, in
         queue order; read lazily, no further than `depth`) and clear the rest."""
-        read = 0
-
-        def counted() -> Iterable[Sequence[T]]:
-            nonlocal read
-            for claim in claims:
-                read += 1
-                yield claim
-
-        levels = protection_levels(counted(), self.depth)
+        levels = protection_levels(claims, self.depth)
         live = self.live
         if not levels and not live:
             return
@@ -94,8 +84,6 @@ class QueueProtection(Generic[T]):
                 values.append(0)
         self.target.protect_n(nodes, values)
         self.live = levels
-        self.refreshes += 1
-        self.claims_read += read
 
     def clear(self) -> None:
         """Drop every claim (the queue emptied, or the cache was reset)."""

@@ -53,7 +53,7 @@ nothing for full attention).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvplug.errors import ConfigError
@@ -161,16 +161,22 @@ class VLLMStockArm(CacheArm):
             self.protection = PoolQueueProtection(self.manager, queue_depth)
 
     def protect_waiting(self, waiting: Iterable[tuple[int, list[int]]]) -> None:
-        if self.protection is not None:
-            self.protection.refresh(self._waiting_request(*item) for item in waiting)
+        if self.protection is None:
+            return
+        read: dict[int, Request] = {}  # the requests this refresh reads, hashed once each
 
-    def _waiting_request(self, req_id: int, prompt: list[int]) -> Request:
-        request = self._waiting.get(req_id)
-        if request is None:
-            request = self._waiting[req_id] = make_request(
-                req_id, prompt, self._sampling_params, self._block_hasher
-            )
-        return request
+        def requests() -> Iterator[Request]:
+            for req_id, prompt in waiting:
+                request = self._waiting.get(req_id)
+                if request is None:
+                    request = make_request(
+                        req_id, prompt, self._sampling_params, self._block_hasher
+                    )
+                read[req_id] = request
+                yield request
+
+        self.protection.refresh(requests())
+        self._waiting = read
 
     def admit(self, req_id: int, prompt: list[int], compute: int) -> int | None:
         from vllm.v1.request import RequestStatus
