@@ -30,6 +30,8 @@ class PoolStats:
     retired: int = 0  # evicted as dependents: their junction lost another group's block
     retentions: int = 0  # prompt prefixes kept after their request, as it asked
     retentions_refused: int = 0  # asks not served (a bad value, or a model it cannot serve)
+    session_requests: int = 0  # requests that named a session (`kvplug.core.sessions`)
+    sessions_refused: int = 0  # session ids not served (a bad value)
     cached_blocks: int = 0  # gauge: blocks with a reusable hash
     bytes_held: int = 0  # gauge: bytes of those blocks
     deferred_blocks: int = 0  # gauge: blocks freed but not yet returned (in-flight writes)
@@ -61,6 +63,8 @@ HELP = {
     "retentions": "Prompt prefixes kept after their request ended, as it asked (kvplug_retain_s)",
     "retentions_refused": "Retention asks not served (a bad value, or a model it cannot serve)",
     "retained_blocks": "Blocks kept by live retentions",
+    "session_requests": "Requests that named a session (kvplug_session or the OpenAI user field)",
+    "sessions_refused": "Session ids not served (not a string or integer of 1 to 256 characters)",
     "protected_blocks": "Cached blocks waiting requests will hit, evicted last",
 }
 # gauges with one series per tenant (``tenant`` label), each a mapping in `PoolStats`;

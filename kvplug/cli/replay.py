@@ -55,6 +55,7 @@ def run_single(
     policy_config: dict[str, Any] | None = None,
     host_blocks: int = 0,
     queue_protection: int = 0,
+    sessions: bool = False,
 ) -> None:
     """Replay `trace` through `arms` at each capacity; print the report, write the plot."""
     spec = load_model(model)
@@ -69,6 +70,7 @@ def run_single(
         trace, arms, capacities(trace, capacity_blocks, capacity_fractions), spec,
         sequential=sequential, timing=timings[0], progress=progress_printer(quiet),
         policy_config=policy_config, host_blocks=host_blocks, queue_depth=queue_protection,
+        sessions=sessions,
     )  # fmt: skip
     if fmt == "table":
         click.echo(
@@ -123,6 +125,13 @@ def run_single(
     "evicted last, in the arms that run a kvplug policy kvplug ranks (its own cache, "
     "vllm-kvplug:<policy>); their rows are named <arm>+queueN. 0: none.",
 )
+@click.option(
+    "--sessions",
+    is_flag=True,
+    help="Requests with a session id (a Bailian trace's conversation, a synthetic chat) "
+    "name it, as a client's kvplug_session or OpenAI user field would; the rows of the "
+    "arms whose policy reads it (cost, learned) end in +sessions. Default: none names one.",
+)
 @with_replay_options
 def replay(
     trace: str,
@@ -132,6 +141,7 @@ def replay(
     policy_config: str | None,
     host_blocks: int,
     queue_protection: int,
+    sessions: bool,
     **options: Any,
 ) -> None:
     """Replay TRACE through several eviction policies and cache sizes, one cache each.
@@ -147,7 +157,8 @@ def replay(
     check_queue_depth(queue_protection, options["sequential"])
     run_single(
         load_trace(trace, trace_format), arms, plot_path, policy_config=config,
-        host_blocks=host_blocks, queue_protection=queue_protection, **options,
+        host_blocks=host_blocks, queue_protection=queue_protection, sessions=sessions,
+        **options,
     )  # fmt: skip
 
 

@@ -420,14 +420,17 @@ class KVCache:
         self.requests[child_id] = child
         self.metrics.requests += 1
 
-    def finish(self, req_id: RequestId, *, output_tokens: int | None = None) -> None:
+    def finish(
+        self, req_id: RequestId, *, output_tokens: int | None = None, session: bool = False
+    ) -> None:
         """End a request (done or cancelled) and release its blocks, tail first.
 
         Blocks that an unfenced step may still read or write stay out of the pool until
         that fence. `output_tokens` is how many tokens the request generated, for callers
         whose tokens are not model tokens; by default, the tokens appended past its prompt.
-        The released index nodes record it, with their distance from the request's end and
-        whether it reused the cache, for the eviction policy.
+        The released index nodes record it, with their distance from the request's end,
+        whether it reused the cache and whether it named a `session`
+        (`kvplug.core.sessions`), for the eviction policy.
         """
         req = self.requests.pop(req_id, None)
         if req is None:
@@ -443,6 +446,7 @@ class KVCache:
                 block.node.from_end = from_end
                 block.node.request_hit = req.num_cached_tokens > 0
                 block.node.request_output = output_tokens
+                block.node.request_session = session
             if block.ref_cnt - (block.node is not None) == 0:
                 block.released_at_fence = self.last_fence
                 self._settle(block)

@@ -21,7 +21,7 @@ Per block (an *identity*: a block renews it each time it caches a new hash, `ins
 the core keeps a serial (-1: no identity), its parent and the parent's serial at link
 time (a link is live while they match), how many cached blocks name it as live parent,
 whether it is evictable, and what the policy reads (hits, depth, the releasing request's
-``from_end``, ``request_hit`` and output length, whether another tier holds it), its open
+``from_end``, ``request_hit``, output length and session, whether another tier holds it), its open
 trial, its remembered reuses and, once released, its rank and release order (fixed point,
 `kvplug.policies.entry.FRACTION_BITS` fractional bits: a restored release sits halfway to
 the next whole one).
@@ -538,6 +538,7 @@ class DenseCostCore:
     from_end: cython.int[:]
     request_hit: cython.char[:]
     request_output: cython.longlong[:]
+    request_session: cython.char[:]
     held: cython.char[:]
     trial: cython.short[:]
     credit: cython.int[:]
@@ -617,6 +618,7 @@ class DenseCostCore:
         self.from_end = array("i", [0]) * n
         self.request_hit = array("b", [0]) * n
         self.request_output = array("q", [0]) * n
+        self.request_session = array("b", [0]) * n
         self.held = array("b", [0]) * n
         self.trial = array("h", [-1]) * n
         self.credit = array("i", [0]) * n
@@ -716,6 +718,7 @@ class DenseCostCore:
             self.from_end[node] = 0
             self.request_hit[node] = 0
             self.request_output[node] = 0
+            self.request_session[node] = 0
             self.held[node] = 0
             self.trial[node] = -1
             self.credit[node] = 0
@@ -754,14 +757,20 @@ class DenseCostCore:
     @cython.boundscheck(False)
     @cython.wraparound(False)
     def release_n(
-        self, nodes: list, from_ends: object, request_hit: cython.bint, output: cython.longlong
+        self,
+        nodes: list,
+        from_ends: object,
+        request_hit: cython.bint,
+        output: cython.longlong,
+        session: cython.bint = False,
     ) -> None:
         """Nothing holds `nodes` any more (one request's blocks, freed together): each is
         ranked and, if it has no cached children, offered. With `from_ends` (a list
         parallel to `nodes`), each learns its releasing request first: its ``from_end``,
-        `request_hit` and `output` tokens; with None, it keeps what it knew."""
+        `request_hit`, `output` tokens and whether it named a `session`; with None, it
+        keeps what it knew."""
         if from_ends is not None:
-            self.note_release(nodes, from_ends, request_hit, output)
+            self.note_release(nodes, from_ends, request_hit, output, session)
         self._offer(nodes)
 
     @cython.boundscheck(False)
@@ -827,7 +836,11 @@ class DenseCostCore:
         return (end, parent, recorded, churn)
 
     def release_objects(
-        self, objects: list, request_hit: cython.bint, output: cython.longlong
+        self,
+        objects: list,
+        request_hit: cython.bint,
+        output: cython.longlong,
+        session: cython.bint = False,
     ) -> list:
         """`release_n` for a request's freed objects (with ``block_id`` and the key
         attribute `key_attribute`, the first to be evicted first), in one pass: one
@@ -837,27 +850,36 @@ class DenseCostCore:
         returned as ``(position, object)`` for the cache to handle in order, after these.
         """
         nodes: list = []
-        odd: list = self._collect(objects, request_hit, output, nodes)
+        odd: list = self._collect(objects, request_hit, output, session, nodes)
         if nodes:
             self._offer(nodes)
         return odd
 
     def collect_objects(
-        self, objects: list, request_hit: cython.bint, output: cython.longlong
+        self,
+        objects: list,
+        request_hit: cython.bint,
+        output: cython.longlong,
+        session: cython.bint = False,
     ) -> tuple:
         """`release_objects` without the release: the block ids it would release (each
         having learned its releasing request, as `note_release` does), and the objects it
         would return, for an engine's rules to release them (`release_ranked`,
         `release_unranked`)."""
         nodes: list = []
-        odd: list = self._collect(objects, request_hit, output, nodes)
+        odd: list = self._collect(objects, request_hit, output, session, nodes)
         return (nodes, odd)
 
     @cython.cfunc
     @cython.boundscheck(False)
     @cython.wraparound(False)
     def _collect(
-        self, objects: list, request_hit: cython.bint, output: cython.longlong, nodes: list
+        self,
+        objects: list,
+        request_hit: cython.bint,
+        output: cython.longlong,
+        session: cython.bint,
+        nodes: list,
     ) -> list:
         n: cython.Py_ssize_t = len(objects)
         i: cython.Py_ssize_t
@@ -882,6 +904,7 @@ class DenseCostCore:
             self.from_end[node] = i
             self.request_hit[node] = request_hit
             self.request_output[node] = output
+            self.request_session[node] = session
             nodes.append(node)
         return odd
 
@@ -918,7 +941,12 @@ class DenseCostCore:
     @cython.boundscheck(False)
     @cython.wraparound(False)
     def note_release(
-        self, nodes: list, from_ends: list, request_hit: cython.bint, output: cython.longlong
+        self,
+        nodes: list,
+        from_ends: list,
+        request_hit: cython.bint,
+        output: cython.longlong,
+        session: cython.bint = False,
     ) -> None:
         """Each of `nodes` learns its releasing request (`release_n`'s first step), before
         an engine's rules release it ranked or not."""
@@ -929,6 +957,7 @@ class DenseCostCore:
             self.from_end[node] = from_ends[i]
             self.request_hit[node] = request_hit
             self.request_output[node] = output
+            self.request_session[node] = session
 
     def release_unranked(self, nodes: list) -> None:
         """Nothing holds `nodes` (blocks without cached children) any more, and the
@@ -1153,12 +1182,13 @@ class DenseCostCore:
         output: cython.longlong,
         group_classes: bytes,
         copies: tuple,
+        session: cython.bint = False,
     ) -> list:
         """`collect_objects` and `release_hybrid` of the block ids it collects, in one
         call: a hybrid model's release of a request's freed objects; returns the objects
         `collect_objects` returns, for the cache to handle in order, after these."""
         nodes: list = []
-        odd: list = self._collect(objects, request_hit, output, nodes)
+        odd: list = self._collect(objects, request_hit, output, session, nodes)
         if nodes:
             self._release_hybrid(nodes, group_classes, copies)
         return odd
@@ -1747,6 +1777,8 @@ class DenseCostCore:
         from_end: cython.int
         if output > 12:
             output = 12
+        if self.request_session[node]:
+            output |= 128
         if reuses:
             code = (reuses if reuses < 3 else 3) << 8 | output
         else:
@@ -2145,9 +2177,10 @@ def _bit_length(x: cython.longlong) -> cython.int:
 
 def _class_of(code: int) -> tuple[int, ...]:
     """The class a `CostPolicy` class code stands for (`CostPolicy.classify`)."""
+    session = (code >> 7) & 1
     if code >= 256:
-        return (code >> 8, code & 255)
-    return (0, code >> 5, (code >> 4) & 1, code & 15)
+        return (code >> 8, code & 15, session)
+    return (0, (code >> 5) & 3, (code >> 4) & 1, code & 15, session)
 
 
 def iter_victims(core: Any, gone: list[int]) -> Any:

@@ -38,6 +38,7 @@ class Node:
     from_end: int = 0  # at its last release: blocks of the releasing request after it
     request_hit: bool = False  # at its last release: whether that request reused cache
     request_output: int = 0  # at its last release: tokens that request generated
+    request_session: bool = False  # at its last release: whether that request named a session
     held_elsewhere: bool = False  # another tier holds a copy of its KV
     children: dict[BlockKey, Node] = field(default_factory=dict, repr=False)
     # kept by the eviction core (`kvplug.core.eviction.TreeNode`)

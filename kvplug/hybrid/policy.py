@@ -44,6 +44,7 @@ class HybridRecord:
     from_end: int = 0
     request_hit: bool = False
     request_output: int = 0
+    request_session: bool = False
     held_elsewhere: bool = False
     worth: float = 0.0
     candidate: bool = False

@@ -12,7 +12,11 @@ and the evictable leaf with the lowest H goes first.
   released: how often it has been reused (1, 2, 3+), or, if never, how close it sits to
   the end of its request (0, 1, 2, 3+ blocks after it) and whether that request reused
   the cache; and, for both, how many tokens that request generated (log2 buckets; requests
-  that end in a short answer, such as agent and tool steps, tend to be continued). Each
+  that end in a short answer, such as agent and tool steps, tend to be continued) and
+  whether it named a session (a conversation or user id its client sent: a session's
+  turn tends to be followed by its next; a request that names none is in the same
+  classes as before sessions were known, so a workload without them is ranked as
+  without this field). Each
   release opens a trial for the block's class. A hit closes it as reused. An eviction
   moves the block's key to a ghost history: a later re-insert closes the trial as reused
   and gives the block its reuse count back; falling out of the history closes it as not.
@@ -169,9 +173,10 @@ class CostPolicy(RankedPolicy):
     def classify(self, node: CachedNode) -> ReuseClass:
         hits = self.reuses(node)
         output = min(node.request_output.bit_length(), 12)
+        session = int(node.request_session)
         if hits:
-            return (min(hits, 3), output)
-        return (0, min(node.from_end, 3), int(node.request_hit), output)
+            return (min(hits, 3), output, session)
+        return (0, min(node.from_end, 3), int(node.request_hit), output, session)
 
     def credit(self, node: CachedNode) -> float:
         """GreedyDual's credit for `node`, opening its class's trial."""
@@ -186,8 +191,9 @@ class CostPolicy(RankedPolicy):
 
         `classify`, `reuses` and `reuse_probability` are inlined here and must stay in
         step with them. A class is computed as an int code, one per class (reused:
-        ``reuses << 8 | output``; never reused: ``(from_end << 1 | request_hit) << 4 |
-        output``, below 256), and its probability read from a cache."""
+        ``reuses << 8 | session << 7 | output``; never reused: ``session << 7 |
+        (from_end << 1 | request_hit) << 4 | output``, below 256), and its probability
+        read from a cache."""
         credit_of, trial, cached = self._credit, self._trial, self._probability
         by_depth = self.value.by_depth
         deepest = len(by_depth)
@@ -202,6 +208,8 @@ class CostPolicy(RankedPolicy):
             output = node.request_output.bit_length()
             if output > 12:
                 output = 12
+            if node.request_session:
+                output |= 128
             if reuses:
                 code = (reuses if reuses < 3 else 3) << 8 | output
             else:

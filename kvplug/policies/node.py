@@ -21,6 +21,7 @@ class CachedNode(Protocol):
     from_end: int  # at its last release: blocks of the releasing request after it
     request_hit: bool  # at its last release: whether that request reused the cache
     request_output: int  # at its last release: tokens that request generated
+    request_session: bool  # at its last release: whether that request named a session
     # another tier (a CPU offload, LMCache) holds a copy of its KV, so evicting it costs a
     # reload, not a recompute; set by the adapter through `EvictionCore.held_elsewhere`
     held_elsewhere: bool

@@ -273,6 +273,9 @@ class _SampledArm(CacheArm):
     def retain(self, req_id: int, seconds: float) -> bool:
         return self.arm.retain(req_id, seconds)
 
+    def name_session(self, req_id: int) -> None:
+        self.arm.name_session(req_id)
+
     def stats(self) -> ArmStats:
         return self.arm.stats()
 

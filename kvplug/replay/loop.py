@@ -44,13 +44,15 @@ class Job:
     prefix_flops: list[float]  # prefix_flops[k]: prefill FLOPs of the first k units
     total_flops: float
     retain_s: float = 0.0  # its prompt's prefix kept this long after it ends (0: not asked)
+    session: bool = False  # it names a session, and the arms are told (`CacheArm.name_session`)
 
 
 AdmitHook = Callable[[Job], None]  # called before each lookup; `belady` uses it as its clock
 
 
-def make_jobs(trace: Trace, model: ModelSpec) -> list[Job]:
-    """The trace's requests as jobs, fresh unit ids numbered in request order."""
+def make_jobs(trace: Trace, model: ModelSpec, sessions: bool = False) -> list[Job]:
+    """The trace's requests as jobs, fresh unit ids numbered in request order. With
+    `sessions`, a request with a session id names it to the arms (else none does)."""
     block_tokens = trace.block_tokens
     fresh = FRESH_UNIT_BASE
     jobs = []
@@ -81,6 +83,7 @@ def make_jobs(trace: Trace, model: ModelSpec) -> list[Job]:
                 prefix_flops=list(accumulate(block_flops, initial=0.0)),
                 total_flops=model.prefill_flops(0, request.input_length),
                 retain_s=request.retain_s,
+                session=sessions and bool(request.session),
             )
         )
         fresh += 1
@@ -172,6 +175,8 @@ def _replay_sequential(
             counters.record_rejection(job)
             continue
         counters.record_admission(job, matched, block_tokens, arm)
+        if job.session:
+            arm.name_session(job.index)
         if job.retain_s:
             arm.retain(job.index, job.retain_s)
         arm.finish(job.index, job.output_length)
@@ -281,6 +286,8 @@ class RealisticReplay:
         if matched is None:
             return False
         self.counters.record_admission(job, matched, self.block_tokens, self.arm)
+        if job.session:
+            self.arm.name_session(index)
         self.last_run_id += 1
         run_id = self.running[index] = self.last_run_id
         self.decode_units[index] = 0

@@ -28,6 +28,7 @@ from kvplug.policies import (
     online_policies,
     policy_parameters,
 )
+from kvplug.policies.cost import CostPolicy
 from kvplug.policies.reload import HostLink
 from kvplug.replay.arm_spec import Cache, parse_arm, parse_arms
 from kvplug.replay.arms.base import ArmUnavailable, CacheArm, KVPlugArm
@@ -204,6 +205,26 @@ def protects_queue(name: str) -> bool:
     return spec.cache is Cache.KVPLUG
 
 
+def reads_sessions(name: str) -> bool:
+    """Whether arm `name` ranks by what requests that name a session release
+    (`kvplug.core.sessions`): a `cost`-family policy, in kvplug's cache or an engine's."""
+    spec = parse_arm(name)
+    policy = spec.kvplug_policy
+    if policy is None or policy not in online_policies():
+        return False
+    return isinstance(make_policy(policy), CostPolicy)
+
+
+def row_name(name: str, queue_depth: int, sessions: bool) -> str:
+    """Arm `name`'s row: ``+queue<depth>`` where it protects the queue, ``+sessions``
+    where it reads sessions."""
+    if queue_depth and protects_queue(name):
+        name += f"+queue{queue_depth}"
+    if sessions and reads_sessions(name.split("+queue")[0]):
+        name += "+sessions"
+    return name
+
+
 def requests_reaching(jobs: list[Job], arm: KVPlugArm, sequential: bool) -> dict[bytes, list[int]]:
     """Each block key of `arm`'s cache -> the indices of the requests whose lookup can
     reach it, in order: the future that the offline policies read."""
@@ -231,12 +252,15 @@ def run_replay(
     policy_config: Mapping[str, Any] | None = None,
     host_blocks: int = 0,
     queue_depth: int = 0,
+    sessions: bool = False,
 ) -> list[ReplayRow]:
     """One row per capacity x arm. `policy_config`: parameters for every arm whose policy
     takes them (`check_policy_config`). `host_blocks`: a CPU tier beside each (vLLM) arm,
     its reloads priced by `HostLink` at `policy_config`'s link parameters. `queue_depth`:
     the arms that can (`protects_queue`) protect that many waiting requests' hits, and
-    their rows are named ``<arm>+queue<depth>``."""
+    their rows are named ``<arm>+queue<depth>``. With `sessions`, requests with a session
+    id name it (`kvplug.core.sessions`), and the rows of the arms whose policy reads it
+    (`reads_sessions`) end in ``+sessions``."""
     check_arm_names(arms)
     check_policy_config(arms, policy_config or {})
     if host_blocks < 0:
@@ -249,7 +273,7 @@ def run_replay(
     reload_flops = link.reload_flops(model, trace.block_tokens)
     if not capacities or min(capacities) < 1:
         raise KVPlugError(f"capacities must be positive block counts, got {capacities}")
-    jobs = make_jobs(trace, model)
+    jobs = make_jobs(trace, model, sessions)
     bytes_per_block = trace.block_tokens * model.kv_bytes_per_token()
     rows = []
     for capacity in capacities:
@@ -268,9 +292,7 @@ def run_replay(
             )
             stats = arm.stats()
             row = ReplayRow(
-                policy=f"{name}+queue{queue_depth}"
-                if queue_depth and protects_queue(name)
-                else name,
+                policy=row_name(name, queue_depth, sessions),
                 capacity_blocks=capacity,
                 requests=c.requests,
                 hit_ratio=c.hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,

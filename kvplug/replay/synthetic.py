@@ -4,8 +4,10 @@
   adding its own question. Reuse is shallow and frequent.
 - ``multi-turn``: chats whose every turn resends the whole history plus the last answer
   and a new message, after a human think time. Reuse is deep, long-gapped and per chat.
+  Each request names its chat as its session (``chat-N``) and its turn.
 - ``agent-loop``: agents behind one long shared tool prompt that append tool output and
-  a short model step, seconds apart. Reuse is deep, frequent and fast-growing.
+  a short model step, seconds apart. Reuse is deep, frequent and fast-growing. Each
+  request names its agent as its session (``agent-N``) and its step as its turn.
 - ``multi-adapter``: many LoRA adapters with Zipf popularity, each with its own system
   prompt. A block computed under one adapter is not a hit under another, so each adapter
   has its own ids; popular adapters' prompts are reused, the tail's rarely.
@@ -17,7 +19,8 @@
   flood every minute or so, enough to wash a small cache out.
 - ``hot-prompts``: the same hot requests without the floods (the same seed gives the same
   hot requests, ids and times), what the hot prompts' hits are without the bursts.
-- ``mixed``: the first three at once (the bundled trace).
+- ``mixed``: the first three at once (the bundled trace, which keeps no session ids): the
+  one-off questions to system prompts name no session, the chats and agents do.
 
 Blocks hold `BLOCK_TOKENS` tokens and get fresh ids for fresh content, so ids are
 prefix-chained like Mooncake's.
@@ -104,13 +107,14 @@ def system_prompts(
 def multi_turn(
     rng: random.Random, duration: float, rate: float, ids: _BlockIds
 ) -> list[TraceRequest]:
-    requests, chat = [], 0.0  # chat: when the current chat starts
+    requests, chat, chats = [], 0.0, 0  # chat: when the current chat starts
     while (chat := chat + rng.expovariate(rate / 4)) < duration:  # about 4 turns per chat
-        context, at, last_answer = _Context(), chat, 0
+        context, at, last_answer, chats, turn = _Context(), chat, 0, chats + 1, 0
         while at < duration:
             message = last_answer + rng.randint(100, 4000)  # the previous answer, a new message
             answer = rng.randint(100, 600)
-            requests.append(_request(context, message, ids, at, answer))
+            turn += 1
+            requests.append(_request(context, message, ids, at, answer, f"chat-{chats}", turn))
             if rng.random() < 0.25:
                 break
             at += rng.expovariate(1 / 45.0) + answer / 40.0  # reading the answer, typing
@@ -123,13 +127,14 @@ def agent_loop(
 ) -> list[TraceRequest]:
     tools = _Context()
     tools.extend(24 * BLOCK_TOKENS, ids)
-    requests, agent = [], 0.0  # agent: when the current agent starts
+    requests, agent, agents = [], 0.0, 0  # agent: when the current agent starts
     while (agent := agent + rng.expovariate(rate / 15)) < duration:  # about 15 steps per agent
         context, at, step = _Context(list(tools.blocks), tools.tokens), agent, 0
-        extra = rng.randint(200, 2000)  # the task
+        extra, agents = rng.randint(200, 2000), agents + 1  # the task
         while at < duration and step < 60:
             output = rng.randint(10, 80)
-            requests.append(_request(context, extra, ids, at, output))
+            session = f"agent-{agents}"
+            requests.append(_request(context, extra, ids, at, output, session, step + 1))
             extra = output + rng.randint(300, 6000)  # the step, then the tool's output
             at += rng.uniform(1.0, 8.0)
             step += 1

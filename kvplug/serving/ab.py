@@ -37,7 +37,7 @@ from kvplug.serving.engines import (
     vllm_kvplug_args,
 )
 from kvplug.serving.metrics import Metrics, PrefixCounters, parse_metrics
-from kvplug.serving.server import Server, ServerError, free_port
+from kvplug.serving.server import Server, ServerError, start_on_free_port
 from kvplug.serving.stats import ArmSummary, combine, summarize
 from kvplug.serving.tokens import load_token_counter
 from kvplug.serving.vllm_bench import (
@@ -267,12 +267,15 @@ def run_arm(
     """Start `arm`'s server, drive `workload` against it (kvplug's client, or vLLM's for
     a `PrefixRepetition`), stop it, summarize."""
     name = run_name or arm.name
-    port = free_port()
-    argv = command(config, arm, port, max_model_len)
-    say(f"{name}: starting the server on port {port} (log: {log_path})")
-    server = Server(
-        argv, port, log_path, env=dict(arm.env), startup_timeout_s=config.startup_timeout_s
-    )
+
+    def make(port: int) -> Server:
+        say(f"{name}: starting the server on port {port} (log: {log_path})")
+        argv = command(config, arm, port, max_model_len)
+        return Server(
+            argv, port, log_path, env=dict(arm.env), startup_timeout_s=config.startup_timeout_s
+        )
+
+    server = start_on_free_port(make)
     with server:
         say(f"{name}: ready after {server.startup_s:.1f} s; sending {config.requests} "
             f"requests, {config.concurrency} at a time")  # fmt: skip

@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -29,6 +29,14 @@ DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
 
 class ServerError(KVPlugError):
     """The server did not come up, or died; the message ends with its log's tail."""
+
+
+class PortTakenError(ServerError):
+    """Another process took the server's port between `free_port` and the server's bind:
+    start it again on a new port (`start_on_free_port`)."""
+
+
+PORT_TAKEN = "address already in use"  # the bind error in a server's log
 
 
 def free_port(host: str = HOST) -> int:
@@ -98,8 +106,9 @@ def tail(path: Path, lines: int = 40) -> str:
 class Server:
     """A server process started from `command` (which must listen on `port`).
 
-    Use as a context manager: entering starts it and waits until ``GET /health`` answers
-    200; leaving stops the whole process group, whatever happened inside.
+    Use as a context manager: entering starts it (unless it runs) and waits until
+    ``GET /health`` answers 200; leaving stops the whole process group, whatever happened
+    inside.
     """
 
     def __init__(
@@ -155,6 +164,8 @@ class Server:
                 raise self.error(f"the server exited with status {code} during start-up")
             if http_get(f"{self.base_url}/health", timeout=2.0)[0] == 200:
                 return
+            if PORT_TAKEN in tail(self.log_path, 20):
+                raise PortTakenError(str(self.error(f"port {self.port} was taken meanwhile")))
             if time.monotonic() > deadline:
                 raise self.error(f"the server was not healthy after {self.startup_timeout_s:.0f} s")
             time.sleep(0.5)
@@ -195,7 +206,8 @@ class Server:
         self.process = None
 
     def __enter__(self) -> Server:
-        self.start()
+        if self.process is None:  # (`start_on_free_port` started it already)
+            self.start()
         return self
 
     def __exit__(
@@ -205,6 +217,22 @@ class Server:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def start_on_free_port(make: Callable[[int], Server], attempts: int = 3) -> Server:
+    """`make(port)` started on a free port, on a new one each time another process takes
+    the port first (`PortTakenError`), at most `attempts` times."""
+    attempt = 1
+    while True:
+        server = make(free_port())
+        try:
+            server.start()
+        except PortTakenError:
+            if attempt >= attempts:
+                raise
+            attempt += 1
+        else:
+            return server
 
 
 def _signal_group(pgid: int, sig: int) -> bool:

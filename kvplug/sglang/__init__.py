@@ -28,6 +28,8 @@ hybrid model or a host tier runs on SGLang's Python core with kvplug's component
 | `strategy` | the ``kvplug-<name>`` strategies and kvplug's config from SGLang's arguments |
 | `namespace` | the tenant and namespace salt folded into each request's ``cache_salt`` |
 | `retention` | `TreeRetention`: paths kept on request (``kvplug_retain_s``), by a tree lock |
+| `queue_protection` | `TreeQueueProtection`: the paths waiting requests matched, evicted last |
+| `openai_user` | the OpenAI ``user`` field, copied to a request's ``kvplug_session`` |
 | `prefix_keys` | a node's key: its prefix's, wherever the tree splits it; `VictimEnds` |
 | `stats` | `CacheStats` and the Prometheus exporter for SGLang's multiprocess ``/metrics`` |
 | `version` | the supported SGLang range, and the private names kvplug checks at start-up |

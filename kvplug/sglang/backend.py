@@ -47,6 +47,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from kvplug.config import KVPlugConfig
 from kvplug.core.model_spec import ModelSpec, load_model, served_model
+from kvplug.core.sessions import SESSION_ARG, names_session
 from kvplug.errors import ConfigError
 from kvplug.sglang.components import kvplug_components
 from kvplug.sglang.namespace import RequestNamespace, first_sight
@@ -59,6 +60,18 @@ from kvplug.sglang.tree_core import FULL, ReleasingRequest
 from kvplug.sglang.version import check_private_names, check_sglang_version
 
 logger = logging.getLogger("sglang.kvplug")
+
+
+def request_names_session(req: Any, stats: CacheStats) -> bool:
+    """Whether SGLang's `req` names a session (`kvplug.core.sessions`): ``kvplug_session``
+    in its sampling params' ``custom_params``, decided and counted once per request."""
+    named = getattr(req, "kvplug_session", None)
+    if named is None:
+        custom = getattr(req.sampling_params, "custom_params", None) or {}
+        asked = custom.get(SESSION_ARG) if isinstance(custom, dict) else None
+        named = req.kvplug_session = names_session(asked, None, stats, req.rid, logger)
+    return named
+
 
 BACKEND = "kvplug"  # the name of both the radix-cache and the Python tree-core backend
 RUST_BACKEND = "kvplug-rust"  # the tree-core backend of `kvplug.sglang.rust_core`
@@ -129,6 +142,7 @@ class KVPlugRadixCache(UnifiedRadixCache):
                 self.page_size,
                 req.cached_tokens > 0,
                 getattr(req, "kvplug_output_tokens", None) or len(req.output_ids),
+                request_names_session(req, self.tree_core.stats),
             )
         super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
         retention = self.kvplug_retention

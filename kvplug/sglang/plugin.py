@@ -1,12 +1,15 @@
 """kvplug's ``sglang.srt.plugins`` entry point.
 
 SGLang loads general plugins in every process it starts, before it parses its
-arguments, whether or not kvplug is wanted, so `register` only adds names:
+arguments, whether or not kvplug is wanted, so `register` only adds names (and one key, below):
 
 - the ``kvplug-<name>`` choices of ``--radix-eviction-policy``, one per kvplug policy a
   server can run (third-party policies included), and their strategies;
 - the tree-core backends ``kvplug`` (Python) and ``kvplug-rust``, and the radix-cache
   backend ``kvplug``.
+
+It also copies a request's OpenAI ``user`` field to its ``kvplug_session`` custom
+param, which only kvplug's backend reads (`kvplug.sglang.openai_user`).
 
 Nothing changes unless ``--radix-cache-backend kvplug`` selects the backend. An untested
 SGLang gets a warning here; the error comes from the backend, when selected.
@@ -34,6 +37,12 @@ def register() -> None:
         logger.warning("%s", exc)
         return
     register_names()
+    try:
+        from kvplug.sglang.openai_user import forward_user_field
+
+        forward_user_field()
+    except Exception as exc:  # the OpenAI server's classes moved: sessions by argument only
+        logger.debug("kvplug: the OpenAI user field is not forwarded: %s", exc)
 
 
 def register_names() -> None:

@@ -38,7 +38,7 @@ class StateRecord:
 
     __slots__ = (
         "serial", "key", "depth", "hits", "from_end", "request_hit", "request_output",
-        "held_elsewhere", "node",
+        "request_session", "held_elsewhere", "node",
     )  # fmt: skip
 
     def __init__(self, serial: int, node: Any, key: bytes, depth: int) -> None:
@@ -50,6 +50,7 @@ class StateRecord:
         self.from_end = 0
         self.request_hit = False
         self.request_output = 0
+        self.request_session = False
         self.held_elsewhere = False
 
 

@@ -160,19 +160,23 @@ class ReleasingRequest:
     """A finished request while SGLang hands its KV to the tree: what each record it
     releases learns about it (see the module doc)."""
 
-    __slots__ = ("page_size", "last_page", "hit", "output")
+    __slots__ = ("page_size", "last_page", "hit", "output", "session")
 
-    def __init__(self, tokens: int, page_size: int, hit: bool, output: int) -> None:
+    def __init__(
+        self, tokens: int, page_size: int, hit: bool, output: int, session: bool = False
+    ) -> None:
         self.page_size = page_size
         self.last_page = last_page(tokens, page_size)
         self.hit = hit
         self.output = output
+        self.session = session  # it named a session (`kvplug.core.sessions`)
 
     def stamp(self, record: NodeRecord) -> None:
         """`record`, on this request's path, is released by it."""
         record.from_end = max(self.last_page - last_page(record.end, self.page_size), 0)
         record.request_hit = self.hit
         record.request_output = self.output
+        record.request_session = self.session
 
 
 def device_pages(params: Any) -> int:
@@ -200,6 +204,7 @@ def released_with(upper: NodeRecord, lower: NodeRecord, page_size: int) -> None:
         lower.from_end + last_page(lower.end, page_size) - last_page(upper.end, page_size)
     )
     upper.request_hit, upper.request_output = lower.request_hit, lower.request_output
+    upper.request_session = lower.request_session
 
 
 class NodeRecord:
@@ -209,7 +214,7 @@ class NodeRecord:
 
     __slots__ = (
         "serial", "key", "depth", "hits", "from_end", "request_hit", "request_output",
-        "held_elsewhere",
+        "request_session", "held_elsewhere",
         "parent", "parent_serial", "cached_children", "evictable", "node", "end",
         "prefix", "blocks",
     )  # fmt: skip
@@ -235,6 +240,7 @@ class NodeRecord:
         self.from_end = 0
         self.request_hit = False
         self.request_output = 0
+        self.request_session = False
         self.held_elsewhere = False
         self.parent: NodeRecord | None = None
         self.parent_serial = -1

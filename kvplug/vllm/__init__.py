@@ -25,6 +25,8 @@ blocks at its position with it, since no junction can use them any more.
 | `free_queue` | `PolicyFreeQueue`: vLLM's free-queue interface; its walk is the eviction order |
 | `offload_policy` | `KVPlugCachePolicy`: kvplug's decision in vLLM's CPU offload tier |
 | `retention` | `PoolRetention`: prefixes kept on request (``kvplug_retain_s``), by reference |
+| `queue_protection` | `PoolQueueProtection`: the waiting queue's hits, claimed once per step |
+| `openai_user` | the OpenAI ``user`` field, copied to a request's ``kvplug_session`` |
 | `compat` | everything that differs between the vLLM releases supported (0.32 to 0.34) |
 | `stats` | `PoolStats`, metrics snapshots and the Prometheus collector |
 | `plugin` | the ``vllm.general_plugins`` entry point |

@@ -78,6 +78,7 @@ class Release:
 
     output_tokens: int = 0
     request_hit: bool = False
+    session: bool = False  # it named a session (`kvplug.core.sessions`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +105,7 @@ class CachedBlock:
 
     __slots__ = (
         "serial", "key", "depth", "hits", "from_end", "request_hit", "request_output",
-        "held_elsewhere",
+        "request_session", "held_elsewhere",
         "block", "parent", "parent_serial", "cached_children", "evictable", "anchored",
     )  # fmt: skip
 
@@ -122,6 +123,7 @@ class CachedBlock:
         self.from_end = 0
         self.request_hit = False
         self.request_output = 0
+        self.request_session = False
         self.held_elsewhere = False
         self.parent_serial = -1
         self.cached_children = 0
@@ -566,6 +568,7 @@ class KVPlugBlockPool(BlockPool):
         records: list[CachedBlock] = []
         request_hit = self.releasing.request_hit
         output_tokens = self.releasing.output_tokens
+        session = self.releasing.session
         for from_end, block in released:
             if copies:
                 copies.discard(block.block_id)
@@ -583,6 +586,7 @@ class KVPlugBlockPool(BlockPool):
                 record.from_end = from_end
                 record.request_hit = request_hit
                 record.request_output = output_tokens
+                record.request_session = session
             records.append(record)
         if records:
             release_n(records)

@@ -278,12 +278,16 @@ class DenseCostPool(KVPlugBlockPool):
         releasing, rules = self.releasing, self.rules
         if rules is not None:  # the rules rank what they rank (a tier's hold: anew)
             if not held_elsewhere:
-                self.core.note_release(nodes, ends, releasing.request_hit, releasing.output_tokens)
+                self.core.note_release(
+                    nodes, ends, releasing.request_hit, releasing.output_tokens, releasing.session
+                )
             rules.release_n(nodes)
         elif held_elsewhere:
             self.core.restore_n(nodes)
         else:
-            self.core.release_n(nodes, ends, releasing.request_hit, releasing.output_tokens)
+            self.core.release_n(
+                nodes, ends, releasing.request_hit, releasing.output_tokens, releasing.session
+            )
 
     def _restore(self, returned: list[tuple[int, KVCacheBlock]]) -> None:
         """Blocks a tier took while free and gave back keep the standing of their last
@@ -520,9 +524,12 @@ class DenseFreeQueue(PolicyFreeQueue):
                 releasing.output_tokens,
                 rules.group_classes,
                 copy_index(pool.cached_block_hash_to_block),
+                releasing.session,
             )
         else:
-            odd = self.core.release_objects(objects, releasing.request_hit, releasing.output_tokens)
+            odd = self.core.release_objects(
+                objects, releasing.request_hit, releasing.output_tokens, releasing.session
+            )
         if odd:  # from a hash the pool does not account for on: in order, as one at a time
             pool.on_free_n(odd)
 

@@ -27,6 +27,7 @@ from vllm.v1.core.sched import scheduler as vllm_scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 from kvplug.core.groups import GroupKind
+from kvplug.core.sessions import SESSION_ARG, names_session
 from kvplug.policies.base import EvictionPolicy
 from kvplug.vllm.block_pool import KVPlugBlockPool, pool_class
 from kvplug.vllm.stats import PoolStats
@@ -40,6 +41,21 @@ SPEC_KINDS = {
     SlidingWindowSpec: GroupKind.SLIDING_WINDOW,
     MambaSpec: GroupKind.MAMBA,
 }
+
+
+def request_names_session(request: Any, stats: PoolStats) -> bool:
+    """Whether `request` names a session (`kvplug.core.sessions`): ``kvplug_session`` in
+    its ``SamplingParams.extra_args`` (``vllm_xargs``; the plugin copies the OpenAI
+    ``user`` field there), decided and counted once per request (a preempted request is
+    freed again)."""
+    named = getattr(request, "kvplug_session", None)
+    if named is None:
+        params = request.sampling_params
+        extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
+        asked = extra.get(SESSION_ARG)
+        named = names_session(asked, None, stats, request.request_id, logger)
+        request.kvplug_session = named
+    return named
 
 
 def matched_tokens(request: Any) -> int:
@@ -100,10 +116,11 @@ class KVPlugKVCacheManager(KVCacheManager):
         releasing = pool.releasing
         releasing.output_tokens = request.num_output_tokens if output is None else output
         releasing.request_hit = matched_tokens(request) > 0
+        releasing.session = request_names_session(request, pool.stats)
         try:
             super().free(request)
         finally:
-            releasing.output_tokens, releasing.request_hit = 0, False
+            releasing.output_tokens, releasing.request_hit, releasing.session = 0, False, False
 
 
 class ConnectorKVCacheManager(KVPlugKVCacheManager):

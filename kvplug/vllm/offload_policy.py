@@ -56,8 +56,8 @@ class ChunkNode:
 
     __slots__ = (
         "serial", "key", "depth", "hits", "from_end", "request_hit", "request_output",
-        "held_elsewhere", "parent", "parent_serial", "cached_children", "evictable", "chunk",
-        "position",
+        "request_session", "held_elsewhere", "parent", "parent_serial", "cached_children",
+        "evictable", "chunk", "position",
     )  # fmt: skip
 
     def __init__(self, serial: int, key: bytes, chunk: ChunkStatus, position: int | None):
@@ -70,6 +70,7 @@ class ChunkNode:
         self.from_end = 0
         self.request_hit = False
         self.request_output = 0
+        self.request_session = False
         self.held_elsewhere = False  # the GPU may hold it too; the tier cannot know
         self.parent: ChunkNode | None = None
         self.parent_serial = -1

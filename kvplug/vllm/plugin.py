@@ -9,6 +9,8 @@ so this does nothing a user could notice unless kvplug's scheduler is in use:
 - it registers kvplug's FlashInfer attention backend where a CUDA GPU allows, and
   ``kvplug`` as a policy of vLLM's CPU offload tier (`kvplug.vllm.offload_policy`; only
   used where ``kv_connector_extra_config`` names it);
+- it copies a request's OpenAI ``user`` field to its ``kvplug_session`` argument, which
+  only kvplug's scheduler reads (`kvplug.vllm.openai_user`);
 - it warns, once, if the installed vLLM is not one kvplug is tested with. The error comes
   from `kvplug.vllm.Scheduler` at start-up, only when kvplug is enabled.
 """
@@ -49,3 +51,9 @@ def register() -> None:
         register_offload_policy()
 
     vllm_plugin()  # kvplug's FlashInfer backend at any page size, where a GPU allows
+    try:
+        from kvplug.vllm.openai_user import forward_user_field
+
+        forward_user_field()
+    except Exception as exc:  # the OpenAI server's classes moved: sessions by argument only
+        logger.debug("kvplug: the OpenAI user field is not forwarded: %s", exc)

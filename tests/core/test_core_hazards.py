@@ -285,6 +285,7 @@ class _Node:
     from_end: int = 0
     request_hit: bool = False
     request_output: int = 0
+    request_session: bool = False
 
     def __hash__(self) -> int:
         return self.serial

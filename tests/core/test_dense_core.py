@@ -41,7 +41,13 @@ SIZE = 16
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("cache"), st.lists(st.integers(0, SIZE - 1), min_size=1, max_size=5)),
-        st.tuples(st.just("release"), st.integers(0, 3), st.booleans(), st.integers(0, 5000)),
+        st.tuples(
+            st.just("release"),
+            st.integers(0, 3),
+            st.booleans(),
+            st.integers(0, 5000),
+            st.booleans(),  # it named a session
+        ),
         st.tuples(st.just("hit"), st.integers(0, SIZE - 1)),
         st.tuples(st.just("drop"), st.integers(0, SIZE - 1)),
         st.tuples(st.just("evict"), st.integers(1, 4)),
@@ -123,9 +129,10 @@ def test_the_dense_core_decides_as_the_generic_core(name, ops, tier_pricing):
             records = [generic.node(i) for i in ids]
             for record, end in zip(records, ends, strict=True):
                 record.from_end, record.request_hit, record.request_output = end, op[2], op[3]
+                record.request_session = op[4]
             generic.core.release_n(records)
             for core, _, _ in dense:
-                core.release_n(ids, ends, op[2], op[3])
+                core.release_n(ids, ends, op[2], op[3], op[4])
         elif op[0] == "hit" and generic.nodes[op[1]] is not None:
             block_id = op[1]
             generic.core.hit_n([generic.node(block_id)])

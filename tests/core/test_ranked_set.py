@@ -21,6 +21,7 @@ class Node:
     from_end: int = 0
     request_hit: bool = False
     request_output: int = 0
+    request_session: bool = False
 
 
 def lru_set() -> RankedSet[Node]:

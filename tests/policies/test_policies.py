@@ -111,8 +111,8 @@ def _follow_up_hits(policy, rounds: int = 300) -> tuple[KVCache, int]:
 def test_cost_learns_which_classes_come_back() -> None:
     cache, cost_hits = _follow_up_hits(CostPolicy(tokens_per_block=512))
     learned = cache.policy.learned()
-    short_p = max(p for cls, (n, p) in learned.items() if cls[-1] == (10).bit_length())
-    long_p = max(p for cls, (n, p) in learned.items() if cls[-1] == (900).bit_length())
+    short_p = max(p for cls, (n, p) in learned.items() if cls[-2] == (10).bit_length())
+    long_p = max(p for cls, (n, p) in learned.items() if cls[-2] == (900).bit_length())
     assert short_p > 0.5 > 0.1 > long_p
     _, lru_hits = _follow_up_hits(make_policy("lru"))
     assert lru_hits == 0 and cost_hits >= 90
@@ -154,7 +154,7 @@ def test_cost_ghosts_give_back_credit(ghost_ratio: int) -> None:
     policy = cache.policy
     _serve(cache, "a", [1, 2, 0])  # three blocks, never reused; released tail first
     # Each release opens a trial in the never-reused class of its distance from the end.
-    never = [(0, from_end, 0, 0) for from_end in (2, 1, 0)]  # depth 0, 1, 2
+    never = [(0, from_end, 0, 0, 0) for from_end in (2, 1, 0)]  # depth 0, 1, 2
     assert [policy.classify(n) for n in cache.match([1, 2, 0, 9])] == never
     assert cache.evict(4) == 3
     assert cache.match([1, 2, 0, 9]) == []
@@ -168,9 +168,9 @@ def test_cost_ghosts_give_back_credit(ghost_ratio: int) -> None:
     if ghost_ratio:
         # Each re-insert closed its ghost's trial as reused and got one reuse back, so
         # its release put it in the reused-once class (output bucket 0).
-        assert policy.learned() == {**{cls: (1, 2 / 3) for cls in never}, (1, 0): (0, 1 / 2)}
+        assert policy.learned() == {**{cls: (1, 2 / 3) for cls in never}, (1, 0, 0): (0, 1 / 2)}
         assert [policy.reuses(n) for n in nodes] == [1, 1, 1]
-        assert [policy.classify(n) for n in nodes] == [(1, 0)] * 3
+        assert [policy.classify(n) for n in nodes] == [(1, 0, 0)] * 3
     else:  # no history: the trials closed as not reused when evicted, and no credit
         assert policy.learned() == {cls: (1, 1 / 3) for cls in never}
         assert [policy.reuses(n) for n in nodes] == [0, 0, 0]
@@ -248,7 +248,7 @@ class _Node:
     def __init__(self, serial: int, depth: int, parent: _Node | None) -> None:
         self.serial, self.key, self.depth = serial, f"k{serial}".encode(), depth
         self.hits = self.from_end = self.request_output = 0
-        self.request_hit = self.evictable = False
+        self.request_hit = self.request_session = self.evictable = False
         self.up = parent
 
 
@@ -306,6 +306,7 @@ def test_batched_paths_decide_as_one_at_a_time(name: str, ops) -> None:
             for from_end, i in enumerate(chain):
                 for made in nodes:
                     made[i].from_end, made[i].request_output = from_end, pick % 40
+                    made[i].request_session = pick % 3 == 0
             cores[0].release_n([nodes[0][i] for i in chain])
             for i in chain:
                 cores[1].release(nodes[1][i])

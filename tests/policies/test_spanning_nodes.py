@@ -17,7 +17,7 @@ class _Span:
     def __init__(self, serial: int, key: bytes, blocks: int, depth: int = 0) -> None:
         self.serial, self.key, self.blocks, self.depth = serial, key, blocks, depth
         self.hits = self.from_end = self.request_output = 0
-        self.request_hit = self.evictable = self.held_elsewhere = False
+        self.request_hit = self.request_session = self.evictable = self.held_elsewhere = False
 
 
 def _core(num_blocks: int, ghost_ratio: float = 1.0) -> EvictionCore:

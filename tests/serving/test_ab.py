@@ -32,7 +32,14 @@ from kvplug.serving.client import SKIPPED, RequestResult, StreamState, request_b
 from kvplug.serving.engines import SGLANG, VLLM, ServerBudget, sglang_command, sglang_kvplug_args
 from kvplug.serving.metrics import parse_metrics
 from kvplug.serving.report import ROWS, plot, render, table
-from kvplug.serving.server import Server, ServerError, free_port, vllm_command
+from kvplug.serving.server import (
+    PortTakenError,
+    Server,
+    ServerError,
+    free_port,
+    start_on_free_port,
+    vllm_command,
+)
 from kvplug.serving.stats import (
     ArmSummary,
     combine,
@@ -565,6 +572,31 @@ def test_server_that_dies_or_hangs_raises_with_its_log_tail(tmp_path) -> None:
     with pytest.raises(ServerError, match="not healthy after 1 s"):
         hang.start()
     assert time.monotonic() - started < 30 and hang.process is None
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_another(tmp_path) -> None:
+    """The first server finds its port taken (its log says so, and it hangs on, as a
+    server whose HTTP bind failed does); it is stopped at once and the next starts on a
+    new port."""
+    script, ports = _fake_server(tmp_path), []
+    taken = "import time; print('[Errno 98] address already in use', flush=True); time.sleep(60)"
+
+    def make(port: int) -> Server:
+        ports.append(port)
+        command = [sys.executable, "-c", taken] if len(ports) == 1 else [
+            sys.executable, str(script), str(port), str(tmp_path / "child.pid")
+        ]  # fmt: skip
+        return Server(command, port, tmp_path / f"try{len(ports)}.log", startup_timeout_s=30)
+
+    started = time.monotonic()
+    with start_on_free_port(make) as server:
+        assert server.alive() and server.port == ports[-1] and len(ports) == 2
+    assert time.monotonic() - started < 25
+    with pytest.raises(PortTakenError, match="was taken meanwhile"):
+        start_on_free_port(
+            lambda port: Server([sys.executable, "-c", taken], port, tmp_path / "t.log"),
+            attempts=2,
+        )
 
 
 @pytest.mark.skipif(not installed("aiohttp"), reason="needs aiohttp (the vllm extra)")

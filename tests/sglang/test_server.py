@@ -64,7 +64,7 @@ import psutil  # noqa: E402
 
 from kvplug.serving.engines import sglang_command, sglang_kvplug_args  # noqa: E402
 from kvplug.serving.metrics import Metrics, parse_metrics  # noqa: E402
-from kvplug.serving.server import Server, ServerError, free_port  # noqa: E402
+from kvplug.serving.server import Server, ServerError, start_on_free_port  # noqa: E402
 from kvplug.tools.tiny_model import build_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.sglang_server
@@ -150,23 +150,25 @@ def scrape(server: Server) -> Metrics:
 
 
 def start(name: str, extra: tuple[str, ...], model: Path, logs: Path) -> Run:
-    port = free_port()
-    command = sglang_command(model, port, max_total_tokens=MAX_TOTAL_TOKENS,
-                             context_length=CONTEXT_LENGTH, extra_args=extra,
-                             python=sys.executable, cpu=True)  # fmt: skip
     env = {
         "SGLANG_USE_CPU_ENGINE": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(STUB), os.environ.get("PYTHONPATH")])),
         "OMP_NUM_THREADS": "1",
     }
-    server = Server(command, port, logs / f"{name}.log", env=env,
-                    startup_timeout_s=START_TIMEOUT_S)  # fmt: skip
-    run = Run(name, server)
+    made: list[Server] = []
+
+    def make(port: int) -> Server:
+        command = sglang_command(model, port, max_total_tokens=MAX_TOTAL_TOKENS,
+                                 context_length=CONTEXT_LENGTH, extra_args=extra,
+                                 python=sys.executable, cpu=True)  # fmt: skip
+        made.append(Server(command, port, logs / f"{name}.log", env=env,
+                           startup_timeout_s=START_TIMEOUT_S))  # fmt: skip
+        return made[-1]
+
     try:
-        server.start()
+        return Run(name, start_on_free_port(make))
     except ServerError as exc:
-        run.error = str(exc)
-    return run
+        return Run(name, made[-1], error=str(exc))
 
 
 def drive(run: Run, model: str) -> None:

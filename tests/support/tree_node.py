@@ -13,6 +13,7 @@ class Node:
         self.from_end = 0
         self.request_hit = False
         self.request_output = 0
+        self.request_session = False
         self.held_elsewhere = False
         self.parent: Node | None = None
         self.parent_serial = -1

@@ -103,6 +103,11 @@ class CacheArm(ABC):
         what the first of them would hit (`kvplug.core.queue_protection`). The engines'
         stock caches read no queue."""
 
+    def name_session(self, req_id: int) -> None:
+        """The request just admitted names a session (`kvplug.core.sessions`): an arm whose
+        policy reads sessions tells its cache, as the engine's scheduler would. The
+        engines' own caches read none."""
+
     def retain(self, req_id: int, seconds: float) -> bool:
         """The running request asks that its prompt's cached prefix be kept for `seconds`
         after it ends (called just before `finish`); whether anything is kept. The
@@ -130,6 +135,7 @@ class KVPlugArm(CacheArm):
         self.queue_protection: QueueProtection[Node] | None = (
             QueueProtection(queue_depth, self.cache) if queue_depth else None
         )
+        self.sessions: set[int] = set()  # running requests that named a session
 
     def protect_waiting(self, waiting: Iterable[tuple[int, list[int]]]) -> None:
         if self.queue_protection is not None:
@@ -162,8 +168,14 @@ class KVPlugArm(CacheArm):
         self.cache.complete_step()
         return True
 
+    def name_session(self, req_id: int) -> None:
+        self.sessions.add(req_id)
+
     def finish(self, req_id: int, output_tokens: int = 0) -> None:
-        self.cache.finish(req_id, output_tokens=output_tokens)
+        session = req_id in self.sessions
+        if session:
+            self.sessions.discard(req_id)
+        self.cache.finish(req_id, output_tokens=output_tokens, session=session)
 
     def stats(self) -> ArmStats:
         metrics = self.cache.metrics

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvplug.config import KVPlugConfig
+from kvplug.core.sessions import SESSION_ARG
 from kvplug.policies import policy_class
 from kvplug.replay.arms.sglang import SGLangStockArm
 
@@ -69,6 +70,11 @@ class SGLangKVPlugArm(SGLangStockArm):
         params = self.requests[req_id].sampling_params
         params.custom_params = {**(params.custom_params or {}), RETAIN_PARAM: seconds}
         return True
+
+    def name_session(self, req_id: int) -> None:
+        """The request names a session, as a server's request does (``custom_params``)."""
+        params = self.requests[req_id].sampling_params
+        params.custom_params = {**(params.custom_params or {}), SESSION_ARG: f"replay-{req_id}"}
 
 
 __all__ = ["SGLangKVPlugArm"]

@@ -56,6 +56,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvplug.core.sessions import SESSION_ARG
 from kvplug.errors import ConfigError
 from kvplug.replay.arms.base import ArmStats, CacheArm, require_engine
 
@@ -133,6 +134,10 @@ class VLLMStockArm(CacheArm):
         init_none_hash(hash_fn)
         self._block_hasher = get_request_block_hasher(1, hash_fn)
         self._sampling_params = SamplingParams(max_tokens=MAX_MODEL_LEN)
+        # a request that names a session carries it as a client's vllm_xargs would
+        self._session_params = SamplingParams(
+            max_tokens=MAX_MODEL_LEN, extra_args={SESSION_ARG: "replay"}
+        )
         self._requests: dict[int, Request] = {}
         self._hits: dict[bytes | int, int] = {}  # block hash, as events give it -> hits
         self._evictions = 0
@@ -217,6 +222,9 @@ class VLLMStockArm(CacheArm):
         request.num_computed_tokens += len(units)
         self._drain_events()
         return True
+
+    def name_session(self, req_id: int) -> None:
+        self._requests[req_id].sampling_params = self._session_params
 
     def finish(self, req_id: int, output_tokens: int = 0) -> None:
         request = self._requests.pop(req_id)
