@@ -67,6 +67,16 @@ ensure_sglang_env() {
   _pip .venv-sglang --no-deps -e .
 }
 
+# The routers a fleet runs behind (requirements/routers.txt), in an environment of their
+# own; the fleet tests find them in .venv-routers/bin.
+ensure_routers_env() {
+  if ! [ -x .venv-routers/bin/vllm-router ] || ! [ -x .venv-routers/bin/sglang-router ]; then
+    step "creating .venv-routers: vllm-router and sglang-router (first run only, under a minute)"
+    python3 -m venv .venv-routers
+    _pip .venv-routers -r requirements/routers.txt
+  fi
+}
+
 # vLLM 0.33.0 and 0.34.0 side by side on one torch (requirements/vllm-next.txt says why and
 # what): .venv-vllm-next holds torch 2.14.0 (both wheels pin it; PyPI's build runs on the
 # CPU), their pure-Python imports and kvplug; each release sits in .venv-vllm-next/vllm-0.3x,

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import click
 
-from kvplug.serving.ab import ABConfig, run_ab
+from kvplug.errors import ConfigError
+from kvplug.serving.ab import ABConfig, check_fleet, run_ab
 from kvplug.serving.engines import ENGINES, SGLANG, SGLANG_PYTHON_CORE, VLLM
 from kvplug.serving.report import plot, render
+from kvplug.serving.routers import DEFAULT_ROUTER, ROUTERS
 from kvplug.serving.vllm_bench import parse_bench_args
 from kvplug.serving.workload import WORKLOADS
 
@@ -71,6 +73,10 @@ def server_ab(
     bench_args: str | None = None,
     python_core_arm: bool = False,
     output_tokens: int | None = None,
+    servers: int = 1,
+    router: str | None = None,
+    router_policy: str = "cache_aware",
+    router_bin: str | None = None,
 ) -> None:
     """Run the stock and kvplug servers of `engine` in turn (`repeat` rounds); print the
     table, write the files."""
@@ -90,6 +96,8 @@ def server_ab(
             "applies to --client kvplug only (vLLM's client: --bench-args)",
             param_hint="--output-tokens",
         )
+    if servers > 1 and router is None:
+        router = DEFAULT_ROUTER[engine]
     path = check_model_dir(model, engine)
     extra = parse_kvplug_config(kvplug_config)
     if importlib.util.find_spec(engine) is None:
@@ -109,7 +117,15 @@ def server_ab(
         client=client,
         bench_args=parse_bench_args(bench_args),
         output_tokens=output_tokens,
+        servers=servers,
+        router=router,
+        router_policy=router_policy,
+        router_bin=router_bin,
     )
+    try:
+        check_fleet(config)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     progress = None if quiet else (lambda message: click.echo(f"  {message}", err=True))
     arms = [server.stock_arm(), server.kvplug_arm(extra)]
     if python_core_arm:
@@ -193,6 +209,25 @@ def server_ab(
     "workload's own, 16-24); 1 makes each request a prefill, as scoring and short-answer "
     "traffic are.",
 )
+@click.option(
+    "--servers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Servers per arm. Above 1, a fleet: that many servers of each arm behind a router "
+    "(--router), each with --num-blocks, all started at once.",
+)
+@click.option(
+    "--router",
+    type=click.Choice(sorted(ROUTERS)),
+    default=None,
+    help="The router in front of the servers (pip install it anywhere; default with "
+    "--servers above 1: vllm-router for vLLM, sglang-router for SGLang).",
+)
+@click.option("--router-policy", default="cache_aware", show_default=True,
+              help="The router's routing policy, the same for both arms.")  # fmt: skip
+@click.option("--router-bin", default=None,
+              help="The router's executable (default: found on PATH).")  # fmt: skip
 @click.option("--json", "json_path", default=None, help="Also write the results here.")
 @click.option("--plot", "plot_path", default=None, help="Default: kvplug-ab-ENGINE.png.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table",

@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,8 +37,22 @@ from kvplug.serving.engines import (
     ServerBudget,
     vllm_kvplug_args,
 )
-from kvplug.serving.metrics import Metrics, PrefixCounters, parse_metrics
-from kvplug.serving.server import Server, ServerError, start_on_free_port
+from kvplug.serving.metrics import Metrics, PrefixCounters, parse_metrics, sum_metrics
+from kvplug.serving.routers import (
+    ROUTERS,
+    check_policy,
+    find_router,
+    router_named,
+    router_view,
+)
+from kvplug.serving.server import (
+    HOST,
+    Server,
+    ServerError,
+    free_port,
+    http_get,
+    start_on_free_port,
+)
 from kvplug.serving.stats import ArmSummary, combine, summarize
 from kvplug.serving.tokens import load_token_counter
 from kvplug.serving.vllm_bench import (
@@ -87,6 +102,12 @@ class ABConfig:
     client: str = "kvplug"  # or "vllm-bench": vLLM's own client (`kvplug.serving.vllm_bench`)
     bench_args: tuple[str, ...] = ()  # extra flags for vLLM's client
     output_tokens: int | None = None  # each answer's most tokens; None: the workload's own
+    # a fleet: `servers` servers per arm behind `router` (`kvplug.serving.routers`), which
+    # routes by `router_policy`; None: one server, no router
+    servers: int = 1
+    router: str | None = None
+    router_policy: str = "cache_aware"
+    router_bin: str | None = None  # the router's executable; None: found on PATH
 
     @property
     def server_engine(self) -> Engine:
@@ -169,6 +190,7 @@ def run_ab(
     started = time.monotonic()
     if config.num_blocks < 2 or min(config.requests, config.concurrency, config.repeat) < 1:
         raise ConfigError("num_blocks must be >= 2, requests, concurrency and repeat >= 1")
+    check_fleet(config)
     if config.client not in CLIENTS or (config.client != "kvplug" and config.engine != VLLM.name):
         raise ConfigError(
             f"client {config.client!r} cannot drive engine {config.engine!r}; expected "
@@ -244,12 +266,35 @@ def _run_or_note(
         return ArmSummary(arm.name, available=False, note=why)
     log_path = log_dir / f"{run_name}.log"
     try:
+        if config.router is not None:
+            assert isinstance(workload, Workload)  # (`check_fleet`: kvplug's client)
+            return run_fleet_arm(config, arm, workload, spec, log_path, max_model_len, say,
+                                 command, counters, run_name)  # fmt: skip
         return run_arm(config, arm, workload, spec, log_path, max_model_len, say, command,
                        counters, run_name)  # fmt: skip
     except (ServerError, BenchClientError) as exc:
         say(f"{run_name}: failed: {exc}")
         first_line = str(exc).splitlines()[0].split("; command:")[0]
         return ArmSummary(arm.name, available=False, note=first_line, log_path=str(log_path))
+
+
+def check_fleet(config: ABConfig) -> None:
+    """Raise `ConfigError` unless `config`'s fleet can run: several servers need a
+    router, which must be installed and know the policy; vLLM's own client drives one
+    server."""
+    if config.servers < 1:
+        raise ConfigError(f"servers must be >= 1, got {config.servers}")
+    if config.router is None:
+        if config.servers > 1:
+            raise ConfigError(
+                f"{config.servers} servers need a router in front (--router {' or '.join(ROUTERS)})"
+            )
+        return
+    router = router_named(config.router)
+    check_policy(router, config.router_policy)
+    find_router(router, config.router_bin)
+    if config.client != "kvplug":
+        raise ConfigError("a fleet is driven by kvplug's client only (--client kvplug)")
 
 
 def run_arm(
@@ -311,12 +356,127 @@ def run_arm(
         summary = summarize_bench(arm.name, bench_result, after.since(before), counters)
     else:
         summary = summarize(arm.name, run.results, run.wall_s, spec, after.since(before), counters)
-    summary.startup_s = server.startup_s
+    return _ran(summary, arm, log_path, server.startup_s, say, f"{name}: ", "server stopped")
+
+
+def run_fleet_arm(
+    config: ABConfig,
+    arm: Arm,
+    workload: Workload,
+    spec: ModelSpec,
+    log_path: Path,
+    max_model_len: int,
+    say: Progress,
+    command: CommandFactory,
+    counters: PrefixCounters,
+    run_name: str,
+) -> ArmSummary:
+    """Start `config.servers` servers of `arm` (at once) and the router in front of them,
+    warm each server up, drive `workload` through the router, stop them all, summarize:
+    the servers' counters summed, each server's prefix lookups and hits, and the router's
+    own per-worker counters."""
+    router = router_named(config.router or "")
+    binary = find_router(router, config.router_bin)
+    servers: list[Server] = []
+    front: Server | None = None
+    try:
+        with ThreadPoolExecutor(config.servers) as pool:
+            starts = [
+                pool.submit(_start_server, config, arm, log_path, i, max_model_len, say, command)
+                for i in range(config.servers)
+            ]
+            failures = []
+            for start in starts:  # each started is kept, to be stopped, if another failed
+                try:
+                    servers.append(start.result())
+                except Exception as exc:  # noqa: BLE001 (re-raised below, once all are in)
+                    failures.append(exc)
+        if failures:
+            raise failures[0]
+        workers = [server.base_url for server in servers]
+        metrics_port = free_port()
+
+        def make_router(port: int) -> Server:
+            argv = router.command(binary, port, metrics_port, workers, config.router_policy)
+            return Server(argv, port, log_path.with_suffix(".router.log"),
+                          startup_timeout_s=120.0, health_path=router.ready_path)  # fmt: skip
+
+        front = start_on_free_port(make_router)
+        say(f"{run_name}: {router.name} ({config.router_policy}) on port {front.port} in "
+            f"front of {', '.join(workers)}; sending {config.requests} requests, "
+            f"{config.concurrency} at a time")  # fmt: skip
+        model = str(config.model)
+        for server in servers:
+            warm = warm_up(server.base_url, model, timeout_s=config.request_timeout_s)
+            if not warm.ok:
+                server.check_alive()
+                raise server.error(f"the warm-up request failed: {warm.error}")
+        before = [_scrape(server) for server in servers]
+        run = run_workload(
+            front.base_url,
+            model,
+            workload,
+            concurrency=config.concurrency,
+            request_timeout_s=config.request_timeout_s,
+            seed=config.seed,
+        )
+        for server in [*servers, front]:
+            server.check_alive()
+        deltas = [_scrape(server).since(b) for server, b in zip(servers, before, strict=True)]
+        view = router_view(router, http_get(f"http://{HOST}:{metrics_port}/metrics")[1])
+        for i, url in enumerate(workers):  # each run's ports differ: name the servers
+            view = {name.replace(url, f"server {i + 1}"): value for name, value in view.items()}
+    finally:
+        for server in [front, *servers]:
+            if server is not None:
+                server.stop()
+    summary = summarize(arm.name, run.results, run.wall_s, spec, sum_metrics(deltas), counters)
+    summary.server_queries = [delta.get(counters.queries) or 0.0 for delta in deltas]
+    summary.server_hits = [delta.get(counters.hits) or 0.0 for delta in deltas]
+    summary.router_view = view
+    startup = max(server.startup_s for server in servers)
+    return _ran(summary, arm, log_path, startup, say, f"{run_name}: ", "servers stopped")
+
+
+def _ran(
+    summary: ArmSummary,
+    arm: Arm,
+    log_path: Path,
+    startup_s: float,
+    say: Progress,
+    prefix: str,
+    stopped: str,
+) -> ArmSummary:
+    """`summary` of a run of `arm` that ended, with its start-up time, log and server
+    arguments; said in one progress line."""
+    summary.startup_s = startup_s
     summary.log_path = str(log_path)
     summary.server_args = list(arm.extra_args)
-    say(f"{name}: {summary.succeeded}/{summary.requests} requests succeeded in "
-        f"{summary.duration_s:.1f} s; server stopped")  # fmt: skip
+    say(f"{prefix}{summary.succeeded}/{summary.requests} requests succeeded in "
+        f"{summary.duration_s:.1f} s; {stopped}")  # fmt: skip
     return summary
+
+
+def _start_server(
+    config: ABConfig,
+    arm: Arm,
+    log_path: Path,
+    index: int,
+    max_model_len: int,
+    say: Progress,
+    command: CommandFactory,
+) -> Server:
+    """Server `index` of a fleet arm, started (its log beside `log_path`)."""
+    path = log_path.with_name(f"{log_path.stem}.server{index + 1}.log")
+
+    def make(port: int) -> Server:
+        say(f"{log_path.stem}: starting server {index + 1} on port {port} (log: {path})")
+        argv = command(config, arm, port, max_model_len)
+        argv += router_named(config.router or "").args_for(config.engine)
+        return Server(argv, port, path, env=dict(arm.env),
+                      startup_timeout_s=config.startup_timeout_s)  # fmt: skip
+
+    return start_on_free_port(make)
 
 
 def _scrape(server: Server) -> Metrics:

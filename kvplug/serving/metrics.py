@@ -78,6 +78,16 @@ class Metrics:
         }
 
 
+def sum_metrics(parts: list[Metrics]) -> Metrics:
+    """Several servers' samples as one fleet's: each sample summed over the servers."""
+    total = Metrics()
+    for part in parts:
+        total.types.update(part.types)
+        for name, value in part.values.items():
+            total.values[name] = total.values.get(name, 0.0) + value
+    return total
+
+
 def parse_metrics(text: str) -> Metrics:
     """Parse the Prometheus text exposition format; malformed lines are skipped."""
     metrics = Metrics()

@@ -48,6 +48,30 @@ ROWS = (
 )
 
 
+def fleet_rows(servers: int) -> tuple[Row, ...]:
+    """A fleet's per-server rows: each server's prefix hits (tokens) and hit ratio."""
+    if servers < 2:
+        return ()
+    rows: list[Row] = []
+    for i in range(servers):
+        rows.append(Row(f"server {i + 1} prefix hits", _server_hits(i), ",.0f"))
+        rows.append(Row(f"server {i + 1} hit ratio", _server_ratio(i), ".4f", True))
+    return tuple(rows)
+
+
+def _server_hits(i: int) -> Callable[[ArmSummary], float | None]:
+    return lambda a: a.server_hits[i] if i < len(a.server_hits) else None
+
+
+def _server_ratio(i: int) -> Callable[[ArmSummary], float | None]:
+    def value(a: ArmSummary) -> float | None:
+        if i >= len(a.server_hits) or not a.server_queries[i]:
+            return None
+        return a.server_hits[i] / a.server_queries[i]
+
+    return value
+
+
 def _format(row: Row, value: float | None) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -97,13 +121,14 @@ def table(result: ABResult) -> str:
             "",
         ]
     compare = len(arms) >= 2 and arms[0].available and arms[1].available
-    cells = [_cell(row, a) for row in ROWS for a in arms]
+    rows = ROWS + fleet_rows(max((len(a.server_hits) for a in arms), default=0))
+    cells = [_cell(row, a) for row in rows for a in arms]
     width = max(14, *(len(a.arm) for a in arms), *(len(c) for c in cells))
     header = f"{'metric':<24}" + "".join(f" {a.arm:>{width}}" for a in arms)
     if compare:
         header += f" {arms[1].arm + ' vs ' + arms[0].arm:>18}"
     lines += [header, "-" * len(header)]
-    for row in ROWS:
+    for row in rows:
         line = f"{row.label:<24}" + "".join(f" {_cell(row, a):>{width}}" for a in arms)
         if compare:
             line += f" {_change(row, arms[0], arms[1]):>18}"
@@ -112,6 +137,12 @@ def table(result: ABResult) -> str:
     notes += [f"  {a.arm}: errors: {'; '.join(a.errors)}" for a in arms if a.errors]
     if notes:
         lines += ["", "notes:", *notes]
+    view = sorted({name for a in arms for name in a.router_view})
+    if view:
+        lines += ["", f"the router's own counters ({config.router}, {config.router_policy}):"]
+        for name in view:
+            cells = "".join(f" {_number(a.router_view.get(name)):>{width}}" for a in arms)
+            lines.append(f"  {name}\n  {'':<40}{cells}")
     kvplug = sorted({name for a in arms for name in a.kvplug_metrics})
     if kvplug:
         lines += ["", "kvplug metrics (counters over the run):"]
@@ -144,6 +175,8 @@ def render(result: ABResult, fmt: str) -> str:
             row["kvplug_metrics"] = json.dumps(row["kvplug_metrics"])
             row["errors"] = "; ".join(row["errors"])
             row["server_args"] = " ".join(row["server_args"])
+            for name in ("server_queries", "server_hits", "router_view"):
+                row[name] = json.dumps(row[name])
         out = io.StringIO()
         writer = csv.DictWriter(out, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -120,8 +120,11 @@ class Server:
         env: dict[str, str] | None = None,
         startup_timeout_s: float = 300.0,
         stop_timeout_s: float = 30.0,
+        health_path: str = "/health",
     ) -> None:
+        """`health_path`: what answers 200 once the server is ready."""
         self.command = list(command)
+        self.health_path = health_path
         self.port = port
         self.log_path = Path(log_path)
         self.env = {**DEFAULT_ENV, **os.environ, **(env or {})}
@@ -162,7 +165,7 @@ class Server:
             code = self.process.poll()
             if code is not None:
                 raise self.error(f"the server exited with status {code} during start-up")
-            if http_get(f"{self.base_url}/health", timeout=2.0)[0] == 200:
+            if http_get(f"{self.base_url}{self.health_path}", timeout=2.0)[0] == 200:
                 return
             if PORT_TAKEN in tail(self.log_path, 20):
                 raise PortTakenError(str(self.error(f"port {self.port} was taken meanwhile")))

@@ -56,6 +56,11 @@ class ArmSummary:
     server_prefix_cache_hits: float | None = None
     server_preemptions: float | None = None
     kvplug_metrics: dict[str, float] = field(default_factory=dict)
+    # a fleet: each server's prefix lookups and hits (tokens), in order, and the router's
+    # own per-worker counters (`kvplug.serving.routers.router_view`)
+    server_queries: list[float] = field(default_factory=list)
+    server_hits: list[float] = field(default_factory=list)
+    router_view: dict[str, float] = field(default_factory=dict)
     startup_s: float = 0.0
     errors: list[str] = field(default_factory=list)  # the first few distinct ones
     log_path: str = ""
@@ -183,6 +188,15 @@ def combine(runs: Sequence[ArmSummary]) -> ArmSummary:
     out.kvplug_metrics = {
         key: statistics.median(run.kvplug_metrics[key] for run in ran if key in run.kvplug_metrics)
         for key in keys
+    }
+    for name in ("server_queries", "server_hits"):
+        lists = [getattr(run, name) for run in ran if getattr(run, name)]
+        if lists and len({len(values) for values in lists}) == 1:
+            setattr(out, name, [statistics.median(column) for column in zip(*lists, strict=True)])
+    views = dict.fromkeys(key for run in ran for key in run.router_view)
+    out.router_view = {
+        key: statistics.median(run.router_view[key] for run in ran if key in run.router_view)
+        for key in views
     }
     out.errors = list(dict.fromkeys(e for run in ran for e in run.errors))[:5]
     if failed:

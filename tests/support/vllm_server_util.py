@@ -103,9 +103,10 @@ class Server:
         max_tokens: int = 4,
         tenant: str | None = None,
         xargs: dict[str, Any] | None = None,
+        user: str | None = None,
     ) -> Completion:
         """One greedy /v1/completions request, recorded in `sent`; `xargs`: more
-        ``vllm_xargs`` (kvplug's per-request arguments)."""
+        ``vllm_xargs`` (kvplug's per-request arguments); `user`: the OpenAI user field."""
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
@@ -113,6 +114,8 @@ class Server:
             "temperature": 0,
             "ignore_eos": True,
         }
+        if user is not None:
+            body["user"] = user
         if tenant is not None or xargs:
             body["vllm_xargs"] = {**({"kvplug_tenant": tenant} if tenant else {}), **(xargs or {})}
         response = httpx.post(f"{self.url}/v1/completions", json=body, timeout=120)

@@ -20,6 +20,10 @@ Each test proves that:
 - every ``BlockRemoved`` after the reset is one of kvplug's evictions (the counts agree),
   and kvplug tracks exactly the blocks that vLLM's map holds;
 - ``KVPlugBlockPool.check_invariants()`` holds after every batch.
+
+A router fed by these events (llm-d's scorer, Dynamo's KV router) sees what the replay
+sees: with two tenants' requests interleaved, and the default tenant's keys salted or
+vLLM's own (``namespace.salt_kv_events``), the replay equals the pool after every batch.
 """
 
 from __future__ import annotations
@@ -65,8 +69,11 @@ GROUPS = {"llama": {0}, "gemma3": {0, 1}}
 
 
 @contextmanager
-def kvplug_llm(model: Path, num_blocks: int, port: int) -> Iterator[LLM]:
-    """An in-process engine with kvplug's scheduler and a ZMQ event publisher on `port`."""
+def kvplug_llm(
+    model: Path, num_blocks: int, port: int, config: dict | None = None
+) -> Iterator[LLM]:
+    """An in-process engine with kvplug's scheduler (`config`, default: policy cost) and a
+    ZMQ event publisher on `port`."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the pool lives in this process
         llm = LLM(
@@ -78,7 +85,7 @@ def kvplug_llm(model: Path, num_blocks: int, port: int) -> Iterator[LLM]:
             gpu_memory_utilization=0.25,
             seed=0,
             scheduler_cls="kvplug.vllm.Scheduler",
-            additional_config={"kvplug": {"policy": "cost"}},
+            additional_config={"kvplug": config or {"policy": "cost"}},
             kv_events_config={
                 "enable_kv_cache_events": True,
                 "publisher": "zmq",
@@ -175,3 +182,40 @@ def test_kv_events_replay_to_the_pool(models: dict[str, Path], arch: str) -> Non
         assert replay(recent) == expected
         assert pool.num_cached_blocks() == len(block_ids)
         pool.check_invariants()
+
+
+@pytest.mark.parametrize("salted", [False, True], ids=["vllm-keys", "salted-keys"])
+def test_a_router_fed_by_the_events_sees_the_pool_after_every_batch(
+    models: dict[str, Path], salted: bool
+) -> None:
+    """Two tenants' requests interleaved (the default tenant and ``acme``, whose keys are
+    always salted), the default tenant's keys salted or not: after every batch, the
+    events since the reset replay to exactly the hashes the pool holds."""
+    port = free_port()
+    config = {"policy": "cost", "namespace": {"salt_kv_events": salted}}
+    with (
+        subscriber(port) as events,
+        kvplug_llm(models["llama"], NUM_BLOCKS["llama"], port, config) as llm,
+    ):
+        pool = block_pool(llm)
+        wait_for_subscription(llm, events)
+        assert llm.reset_prefix_cache()
+        evictions_before = pool.stats.evictions
+        mismatches, batches = 0, workload(seed=1)
+        for i, batch in enumerate(batches):
+            params = [
+                SamplingParams(
+                    max_tokens=40,
+                    temperature=0,
+                    ignore_eos=True,
+                    extra_args={"kvplug_tenant": "acme"} if (i + j) % 2 else None,
+                )
+                for j in range(len(batch))
+            ]
+            llm.generate(batch, params, use_tqdm=False)
+            events.settle(quiet_s=0.5)
+            expected, _ = pool_hashes(pool)
+            mismatches += replay(since_last_clear(events.events())) != expected
+            pool.check_invariants()
+        assert mismatches == 0, f"{mismatches} of {len(batches)} batches"
+        assert pool.stats.evictions > evictions_before, "the workload did not fill the pool"

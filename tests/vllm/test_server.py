@@ -237,11 +237,14 @@ def send(
     tenant: str | None = None,
     max_tokens: int = 4,
     xargs: dict | None = None,
+    user: str | None = None,
 ) -> Completion:
     """A completion request, with the prompt's token ids noted in `tokens`."""
     if prompt not in tokens:
         tokens[prompt] = server.tokenize(prompt)
-    completion = server.complete(prompt, max_tokens=max_tokens, tenant=tenant, xargs=xargs)
+    completion = server.complete(
+        prompt, max_tokens=max_tokens, tenant=tenant, xargs=xargs, user=user
+    )
     assert completion.prompt_tokens == len(tokens[prompt])
     return completion
 
@@ -347,6 +350,24 @@ class TestKVPlugServer:
         )
         assert samples["kvplug_evictions_total"] > 0  # the three big prompts overflow the pool
         assert samples["kvplug_deferred_blocks"] == samples["kvplug_deferred_age_steps"] == 0
+
+    def test_a_request_names_its_session_by_the_user_field_or_by_argument(
+        self, server: Server, tokens: dict[str, list[int]]
+    ) -> None:
+        """The OpenAI ``user`` field reaches the scheduler (kvplug's plugin carries it
+        in the API server) as ``vllm_xargs: {"kvplug_session": ...}`` does; a bad value
+        names none and is counted."""
+        before = server.metrics()
+        named = before.get("kvplug_session_requests_total", 0)
+        refused = before.get("kvplug_sessions_refused_total", 0)
+        send(server, tokens, words(seed=31, n=40), user="alice")
+        send(server, tokens, words(seed=32, n=40), xargs={"kvplug_session": "chat-1"})
+        send(server, tokens, words(seed=33, n=40), xargs={"kvplug_session": ""})
+        send(server, tokens, words(seed=34, n=40))
+        sent = len(server.sent)
+        samples = poll_metrics(server, lambda s: s.get("kvplug_requests_total") == sent)
+        assert samples["kvplug_session_requests_total"] == named + 2
+        assert samples["kvplug_sessions_refused_total"] == refused + 1
 
     def test_a_prefix_kept_on_request_outlives_a_flood(
         self, server: Server, model_dir: Path, tokens: dict[str, list[int]]
