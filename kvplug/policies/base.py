@@ -282,6 +282,7 @@ class RankedPolicy(EvictionPolicy):
             return
         frontier = [(heap[0], 0)]
         size = len(heap)
+        last = -1
         while frontier:
             entry, at = heappop(frontier)
             for child in (2 * at + 1, 2 * at + 2):
@@ -289,7 +290,10 @@ class RankedPolicy(EvictionPolicy):
                     heappush(frontier, (heap[child], child))
             serial = entry & SERIAL_MASK
             node = nodes.get(serial)
-            if node is not None and ranks[serial] == entry:  # current: first_candidate
+            # a candidate discarded and added again has its entry in the heap twice (the
+            # first copy left lazily); equal entries come out one after the other
+            if node is not None and ranks[serial] == entry and entry != last:
+                last = entry
                 yield entry, node
 
     def lowest_rank(self) -> float | None:
