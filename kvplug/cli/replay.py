@@ -148,7 +148,8 @@ def replay(
 
     TRACE is a Mooncake or Bailian JSON-lines file, packaged:mooncake (the public Mooncake
     trace, shipped with kvplug), packaged:synthetic-mixed, or synthetic:NAME[:SEED] with
-    NAME one of system-prompts, multi-turn, agent-loop, multi-adapter, conversations, mixed.
+    NAME one of system-prompts, multi-turn, agent-loop, multi-adapter, conversations,
+    bursts, hot-prompts, mixed, served-chats.
     """
     arms = names(policies)
     check_arm_names(arms)  # before reading a large trace

@@ -6,6 +6,7 @@ import click
 
 from kvplug.cli.options import (
     capacities,
+    json_object,
     names,
     numbers,
     progress_printer,
@@ -16,6 +17,7 @@ from kvplug.core.model_spec import load_model
 from kvplug.fleet.report import render
 from kvplug.fleet.router import DEFAULT_LOAD_PENALTY, ROUTERS, check_router_names
 from kvplug.fleet.runner import check_fleet_policies, run_fleet
+from kvplug.replay.runner import check_policy_config
 from kvplug.replay.sources import load_trace
 from kvplug.replay.trace import FORMATS as TRACE_FORMATS
 
@@ -59,6 +61,12 @@ FLEET_POLICIES = "lru,cost"
     show_default=True,
     help="The cache-aware router's weight on load against prefix share.",
 )
+@click.option(
+    "--policy-config",
+    default=None,
+    help="A JSON object of policy parameters, given to every policy that takes them, "
+    """e.g. '{"frequency_weight": 0.5}'.""",
+)
 @with_replay_options
 def replay_fleet(
     trace: str,
@@ -68,6 +76,7 @@ def replay_fleet(
     routers: str,
     event_lag: float,
     load_penalty: float,
+    policy_config: str | None,
     *,
     model: str,
     sequential: bool,
@@ -88,13 +97,15 @@ def replay_fleet(
     router_names, policy_names = names(routers), names(policies)
     check_router_names(router_names)  # before reading a large trace
     check_fleet_policies(policy_names)
+    config = json_object(policy_config, "--policy-config") if policy_config else None
+    check_policy_config(policy_names, config or {})
     loaded = load_trace(trace, trace_format)
     timings = timings_for(prefill_tps, decode_tps)
     rows = run_fleet(
         loaded, router_names, policy_names, numbers(engines, int, "--engines"),
         capacities(loaded, capacity_blocks, capacity_fractions), load_model(model),
         timings=timings, event_lag_s=event_lag, load_penalty=load_penalty,
-        progress=progress_printer(quiet),
+        policy_config=config, progress=progress_printer(quiet),
     )  # fmt: skip
     if fmt == "table":
         what = (

@@ -9,10 +9,21 @@ llm-d's queue scorer reads it from the engines' metrics). It never looks inside 
 | `round-robin` | the engines in turn |
 | `least-loaded` | the engine with the fewest requests in flight (ties in turn) |
 | `cache-aware` | the best ``prefix share - load_penalty * relative load`` |
+| `approx-tree` | where it routed the longest prefix (over a threshold), else its least used |
 
 `cache-aware` is llm-d's prefix-cache scorer plus its queue scorer: the share of the
 prompt's reusable blocks the engine is believed to hold, minus a penalty for being busier
 than the least busy engine (0 for the least busy, `load_penalty` for the busiest).
+
+`approx-tree` is the ``cache_aware`` policy of ``vllm-router`` and ``sglang-router``, the
+routers a fleet A/B runs (`kvplug.serving.routers`), at their defaults. It reads no KV
+event: it remembers the prompts it routed, per engine, and never forgets one (their
+trees hold 32M characters per worker). A prompt whose longest routed prefix on some
+engine covers more than `APPROX_THRESHOLD` of it goes to that engine; any other goes to
+the engine it has routed the fewest blocks to. Only when the loads are out of balance
+(the busiest has more than `BALANCE_ABS` requests over the least busy and more than
+`BALANCE_REL` times its load) does it send to the least busy instead. The real routers
+match characters of the prompt text; this one matches the prompt's blocks.
 """
 
 from __future__ import annotations
@@ -87,7 +98,44 @@ class CacheAware(Router):
         return self._in_turn([e for e, score in enumerate(scores) if score == best])
 
 
-ROUTERS: dict[str, type[Router]] = {r.name: r for r in (RoundRobin, LeastLoaded, CacheAware)}
+# vllm-router's and sglang-router's defaults: --cache-threshold, --balance-abs-threshold,
+# --balance-rel-threshold
+APPROX_THRESHOLD = 0.3
+BALANCE_ABS = 64
+BALANCE_REL = 1.5
+
+
+class ApproxTree(Router):
+    """The routers' own ``cache_aware`` (module docstring): affinity to what it routed."""
+
+    name = "approx-tree"
+
+    def __init__(self, num_engines: int) -> None:
+        super().__init__(num_engines)
+        self.routed = PrefixView(num_engines)  # what it sent each engine, never forgotten
+
+    def choose(self, keys: Sequence[BlockKey], loads: Sequence[int], view: PrefixView) -> int:
+        least, most = min(loads), max(loads)
+        routed = self.routed
+        if most - least > BALANCE_ABS and most > least * BALANCE_REL:
+            chosen = self._in_turn([e for e, load in enumerate(loads) if load == least])
+        else:
+            matched = [routed.prefix_blocks(engine, keys) for engine in range(self.num_engines)]
+            best = max(matched)
+            if keys and best / len(keys) > APPROX_THRESHOLD:
+                chosen = self._in_turn([e for e, m in enumerate(matched) if m == best])
+            else:
+                smallest = min(len(sent) for sent in routed.keys)
+                chosen = self._in_turn(
+                    [e for e, sent in enumerate(routed.keys) if len(sent) == smallest]
+                )
+        routed.keys[chosen].update(keys)
+        return chosen
+
+
+ROUTERS: dict[str, type[Router]] = {
+    r.name: r for r in (RoundRobin, LeastLoaded, CacheAware, ApproxTree)
+}
 
 
 def check_engine_count(num_engines: int) -> None:

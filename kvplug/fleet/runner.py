@@ -13,8 +13,9 @@ choices follow the engines' timing, so one run is one draw of which engine gets 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from kvplug.core.events import KVEvent
 from kvplug.core.model_spec import ModelSpec
@@ -30,7 +31,7 @@ from kvplug.fleet.router import (
 from kvplug.fleet.view import EventFeed, KeyScheme, PrefixView
 from kvplug.policies import online_policies
 from kvplug.replay.loop import Job, Timing, make_jobs
-from kvplug.replay.runner import arm_policy
+from kvplug.replay.runner import arm_policy, check_policy_config
 from kvplug.replay.trace import Trace
 
 UNIT_BLOCK_SIZE = 1  # the engines key one trace block per cache block, as KVPlugArm does
@@ -96,12 +97,15 @@ def run_fleet(
     timings: Sequence[Timing] = (Timing(),),
     event_lag_s: float = 0.0,
     load_penalty: float = DEFAULT_LOAD_PENALTY,
+    policy_config: Mapping[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[FleetRow]:
     """One row per timing x capacity x engine count x router x policy, in that nesting
-    order."""
+    order. `policy_config`: parameters for every policy that takes them
+    (`check_policy_config`)."""
     check_router_names(routers)
     check_fleet_policies(policies)
+    check_policy_config(list(policies), policy_config or {})
     for count in engine_counts:
         check_engine_count(count)
     if not capacities or min(capacities) < 1:
@@ -129,6 +133,7 @@ def run_fleet(
             row = run_one(
                 trace.block_tokens, jobs, router, policy, count, capacity // count,
                 timing=timing, event_lag_s=event_lag_s, load_penalty=load_penalty,
+                policy_config=policy_config,
             )  # fmt: skip
             rows.append(row)
             if progress:
@@ -152,8 +157,10 @@ def build_fleet(
     block_tokens: int,
     timing: Timing,
     event_lag_s: float = 0.0,
+    policy_config: Mapping[str, Any] | None = None,
 ) -> tuple[list[SimulatedEngine], EventFeed]:
-    """`num_engines` engines running `policy`, each publishing its KV events to the feed."""
+    """`num_engines` engines running `policy` (with the entries of `policy_config` it
+    takes), each publishing its KV events to the feed."""
     check_engine_count(num_engines)
     feed = EventFeed(PrefixView(num_engines), event_lag_s)
     engines = []
@@ -162,7 +169,7 @@ def build_fleet(
         def publish(event: KVEvent, engine_id: int = engine_id) -> None:
             feed.publish(engine_id, event)
 
-        policy_instance = arm_policy(policy, block_tokens)
+        policy_instance = arm_policy(policy, block_tokens, policy_config)
         arm = PublishingArm(f"{policy}#{engine_id}", policy_instance, blocks_per_engine, publish)
         engines.append(SimulatedEngine(engine_id, arm, jobs, block_tokens, timing))
     return engines, feed
@@ -179,12 +186,14 @@ def run_one(
     timing: Timing,
     event_lag_s: float,
     load_penalty: float,
+    policy_config: Mapping[str, Any] | None = None,
 ) -> FleetRow:
     """One fleet: `num_engines` engines of `blocks_per_engine` blocks running `policy`."""
     started = time.perf_counter()
     engines, feed = build_fleet(
-        jobs, policy, num_engines, blocks_per_engine, block_tokens, timing, event_lag_s
-    )
+        jobs, policy, num_engines, blocks_per_engine, block_tokens, timing, event_lag_s,
+        policy_config,
+    )  # fmt: skip
     router = make_router(router_name, num_engines, load_penalty)
     scheme = KeyScheme.for_engines(UNIT_BLOCK_SIZE)
     routing = replay_fleet(engines, router, feed, scheme, jobs)

@@ -21,6 +21,14 @@
   hot requests, ids and times), what the hot prompts' hits are without the bursts.
 - ``mixed``: the first three at once (the bundled trace, which keeps no session ids): the
   one-off questions to system prompts name no session, the chats and agents do.
+- ``served-chats``: the chats ``kvplug bench serve --workload multi-turn`` sends, as its
+  fleet commands run it (300 requests, 8 in flight), so that the fleet replay predicts
+  the live fleet A/B: 50 chats of `TURNS` turns, an opening of `OPENING_TOKENS` and then
+  messages of `MESSAGE_TOKENS`, each turn resending the history with the previous
+  `CHAT_OUTPUT`-token answer; a chat's next turn goes out about `SERVED_TURN_S` after
+  the last (the live requests' time), and a chat starts when one of the client's slots
+  frees. Blocks hold the A/B's 32 tokens; its size is fixed (duration and rate do not
+  apply).
 
 Blocks hold `BLOCK_TOKENS` tokens and get fresh ids for fresh content, so ids are
 prefix-chained like Mooncake's.
@@ -35,6 +43,7 @@ from dataclasses import dataclass, field
 from kvplug.errors import KVPlugError
 from kvplug.replay.trace import BLOCK_TOKENS as TRACE_BLOCK_TOKENS
 from kvplug.replay.trace import Trace, TraceRequest, count_blocks
+from kvplug.serving.workload import CHAT_OUTPUT, MESSAGE_TOKENS, OPENING_TOKENS, TURNS
 
 BLOCK_TOKENS = TRACE_BLOCK_TOKENS["mooncake"]
 
@@ -57,15 +66,16 @@ class _Context:
 
     blocks: list[int] = field(default_factory=list)
     tokens: int = 0
+    block_tokens: int = BLOCK_TOKENS
 
     def extend(self, tokens: int, ids: _BlockIds) -> TraceRequest:
         """Add `tokens` (fresh content); return the request that sends the result.
 
         The old partial block (if any) now holds different tokens, so it gets a new id.
         """
-        kept = count_blocks(self.tokens, BLOCK_TOKENS).full
+        kept = count_blocks(self.tokens, self.block_tokens).full
         self.tokens += tokens
-        total = count_blocks(self.tokens, BLOCK_TOKENS).total
+        total = count_blocks(self.tokens, self.block_tokens).total
         self.blocks = self.blocks[:kept] + ids.fresh(total - kept)
         return TraceRequest(0.0, self.tokens, 0, tuple(self.blocks))
 
@@ -226,13 +236,44 @@ GENERATORS: dict[str, WorkloadGenerator] = {
 MIXED = ("system-prompts", "multi-turn", "agent-loop")
 
 
+SERVED_CHATS = "served-chats"
+SERVED_BLOCK_TOKENS = 32  # the server A/B's KV blocks
+SERVED_REQUESTS = 300
+SERVED_CONCURRENCY = 8
+SERVED_TURN_S = 1.0
+
+
+def served_chats(rng: random.Random) -> list[TraceRequest]:
+    """The ``served-chats`` workload (module docstring), in arrival order of its chats."""
+    ids = _BlockIds()
+    free_at = [0.0] * SERVED_CONCURRENCY  # when each of the client's slots frees
+    requests: list[TraceRequest] = []
+    left, chats = SERVED_REQUESTS, 0
+    while left > 0:
+        turns, chats = min(TURNS, left), chats + 1
+        left -= turns
+        slot = min(range(SERVED_CONCURRENCY), key=free_at.__getitem__)
+        context, at = _Context(block_tokens=SERVED_BLOCK_TOKENS), free_at[slot]
+        lengths = [OPENING_TOKENS] + [rng.randint(*MESSAGE_TOKENS) for _ in range(turns - 1)]
+        for turn, message in enumerate(lengths, 1):
+            extra = message + (CHAT_OUTPUT if turn > 1 else 0)  # the last answer, a message
+            requests.append(_request(context, extra, ids, at, CHAT_OUTPUT, f"chat-{chats}", turn))
+            at += SERVED_TURN_S * rng.uniform(0.8, 1.2)
+        free_at[slot] = at
+    return requests
+
+
 def synthetic_trace(
     name: str, *, seed: int = 0, duration: float = 600.0, rate: float = 4.0
 ) -> Trace:
-    """A named workload: `rate` requests per second for `duration` seconds, seeded."""
+    """A named workload: `rate` requests per second for `duration` seconds, seeded
+    (``served-chats``: its own fixed size)."""
+    if name == SERVED_CHATS:
+        requests = sorted(served_chats(random.Random(seed)), key=lambda r: r.arrival)
+        return Trace(f"synthetic-{name}", SERVED_BLOCK_TOKENS, requests)
     if name != "mixed" and name not in GENERATORS:
         raise KVPlugError(
-            f"unknown synthetic workload {name!r}; accepted: {', '.join(GENERATORS)}, mixed"
+            f"unknown synthetic workload {name!r}; accepted: {', '.join(SYNTHETIC_NAMES)}"
         )
     rng, ids = random.Random(seed), _BlockIds()
     names = list(MIXED) if name == "mixed" else [name]
@@ -243,4 +284,4 @@ def synthetic_trace(
     return Trace(f"synthetic-{name}", BLOCK_TOKENS, requests)
 
 
-SYNTHETIC_NAMES = (*GENERATORS, "mixed")
+SYNTHETIC_NAMES = (*GENERATORS, "mixed", SERVED_CHATS)

@@ -17,7 +17,16 @@ from kvplug.core.model_spec import load_model
 from kvplug.errors import ConfigError, KVPlugError, UnknownPolicyError, UnknownRouterError
 from kvplug.fleet.loop import replay_fleet
 from kvplug.fleet.report import render, sign_test
-from kvplug.fleet.router import ROUTERS, CacheAware, LeastLoaded, RoundRobin, make_router
+from kvplug.fleet.router import (
+    APPROX_THRESHOLD,
+    BALANCE_ABS,
+    ROUTERS,
+    ApproxTree,
+    CacheAware,
+    LeastLoaded,
+    RoundRobin,
+    make_router,
+)
 from kvplug.fleet.runner import build_fleet, run_fleet
 from kvplug.fleet.view import EventFeed, KeyScheme, PrefixView
 from kvplug.replay.loop import Timing, make_jobs
@@ -113,6 +122,56 @@ def test_cache_aware_prefers_the_prefix_unless_the_engine_is_too_busy():
     assert CacheAware(2, load_penalty=1.0).choose(keys, [0, 0], view) == 1
     assert CacheAware(2, load_penalty=1.0).choose(keys, [0, 1], view) == 0  # 0.75 - 1 < 0
     assert CacheAware(2, load_penalty=0.5).choose(keys, [0, 1], view) == 1  # 0.75 - 0.5 > 0
+
+
+def test_approx_tree_follows_what_it_routed_as_the_real_routers_cache_aware_does():
+    """vllm-router's and sglang-router's own policy: a prompt goes where the router sent
+    over `APPROX_THRESHOLD` of it before, whatever the KV events say; a new one goes to
+    the engine it sent the fewest blocks; only loads out of balance override both."""
+    view = PrefixView(2)  # it reads no event: this view stays empty
+    scheme = KeyScheme.for_engines(1)
+    chat = scheme.prompt_keys(list(range(10)))
+    other = scheme.prompt_keys(list(range(100, 104)))
+    router = ApproxTree(2)
+    first = router.choose(chat[:4], [0, 0], view)
+    assert router.choose(chat, [0, 5], view) == first  # 4 of 10 routed there: over 0.3
+    assert router.choose(other, [0, 0], view) == 1 - first  # new: the engine it used least
+    below = scheme.prompt_keys([*range(3), *range(300, 310)])  # 3 of 13 are the chat's
+    above = scheme.prompt_keys([*range(5), *range(400, 409)])  # 5 of 14
+    assert 3 / 13 <= APPROX_THRESHOLD < 5 / 14
+    assert router.choose(below, [0, 0], view) == 1 - first  # the engine it sent fewer blocks
+    assert router.choose(above, [0, 0], view) == first
+    busy = [BALANCE_ABS + 10, 0] if first == 0 else [0, BALANCE_ABS + 10]
+    assert router.choose(chat, busy, view) == 1 - first  # out of balance: the least busy
+    assert router.choose(chat, [BALANCE_ABS, BALANCE_ABS * 2], view) == first  # 64 apart only
+
+
+def test_approx_tree_keeps_every_chat_of_the_served_workload_on_one_engine():
+    """On the live A/B's chats (`served-chats`), each chat's turns all reach the engine
+    its first turn did, and the chats split evenly, as the live routers' counters showed
+    (every later turn a prefix hit)."""
+    trace = synthetic_trace("served-chats", seed=1)
+    router, scheme = ApproxTree(2), KeyScheme.for_engines(1)
+    engine_of: dict[str, set[int]] = {}
+    for job in make_jobs(trace, MODEL):
+        keys = scheme.prompt_keys(job.prompt[:-1])
+        chosen = router.choose(keys, [0, 0], PrefixView(2))
+        engine_of.setdefault(trace.requests[job.index].session, set()).add(chosen)
+    assert len(engine_of) == 50 and all(len(engines) == 1 for engines in engine_of.values())
+    per_engine = [sum(1 for e in engine_of.values() if e == {k}) for k in (0, 1)]
+    assert per_engine == [25, 25]
+
+
+def test_a_policy_config_reaches_every_engine_of_the_fleet(small_trace):
+    jobs = make_jobs(small_trace, MODEL)
+    config = {"frequency_weight": 0.25, "queue_depth": 3}  # not a policy's: left out
+    engines, _ = build_fleet(jobs, "cost", 2, 50, 512, Timing(), policy_config=config)
+    assert [engine.arm.cache.policy.frequency_weight for engine in engines] == [0.25, 0.25]
+    default, _ = build_fleet(jobs, "cost", 2, 50, 512, Timing())
+    assert default[0].arm.cache.policy.frequency_weight == 1.0
+    with pytest.raises(ConfigError, match="taken by none of the arms lru"):
+        run_fleet(small_trace, ["approx-tree"], ["lru"], [2], [100], MODEL,
+                  policy_config={"frequency_weight": 0.5})  # fmt: skip
 
 
 def test_bad_router_input_names_what_is_accepted():
@@ -250,7 +309,11 @@ def test_replay_command_runs_a_fleet(small_trace, tmp_path):
         (["replay-fleet", "--router", "random"], "accepted: round-robin, least-loaded"),
         (["replay-fleet", "--policy", "vllm-stock"], "cannot run in a fleet replay"),
         (["replay-fleet", "--sequential"], "--sequential does not apply to the fleet replay"),
-        (["replay-fleet", "--policy-config", "{}"], "No such option '--policy-config'"),
+        (
+            ["replay-fleet", "--policy-config", '{"frequency_wieght": 1}'],
+            "policy config key 'frequency_wieght' is taken by none of the arms lru, cost",
+        ),
+        (["replay-fleet", "--policy-config", "[1]"], "--policy-config"),
         (["replay", "--decode-tps", "30,40"], "apply to kvplug replay-fleet only"),
         (["replay-fleet", "--prefill-tps", "0"], "--prefill-tps: expected positive numbers"),
         (["replay-fleet", "--decode-tps", "fast"], "--decode-tps: expected comma-separated"),

@@ -162,7 +162,35 @@ def test_synthetic_workloads_are_seeded_and_prefix_chained(name, tmp_path) -> No
     assert a.requests == b.requests and len(a.requests) > 20
     assert synthetic_trace(name, seed=4, duration=120).requests != a.requests
     assert a.distinct_blocks < a.prompt_blocks  # something is reused
-    read_trace(write_trace(a, tmp_path / "s.jsonl"))
+    fmt = "mooncake" if a.block_tokens == 512 else "bailian"  # served-chats: 32-token blocks
+    read_trace(write_trace(a, tmp_path / "s.jsonl", fmt))
+
+
+def test_served_chats_are_the_live_ab_chats_in_their_shape() -> None:
+    """`served-chats` is what `kvplug bench serve --workload multi-turn` sends with its
+    fleet commands: 300 requests in 50 chats of 6 turns, blocks of 32 tokens, each turn
+    the whole history (its full blocks kept) plus the answer and a new message, and never
+    more than 8 chats at once."""
+    from kvplug.serving.workload import CHAT_OUTPUT, MESSAGE_TOKENS, OPENING_TOKENS, TURNS
+
+    trace = synthetic_trace("served-chats", seed=2)
+    assert trace.block_tokens == 32 and len(trace.requests) == 300
+    chats: dict[str, list] = {}
+    for request in trace.requests:
+        chats.setdefault(request.session, []).append(request)
+    assert len(chats) == 50 and {len(turns) for turns in chats.values()} == {TURNS}
+    low, high = MESSAGE_TOKENS
+    for turns in chats.values():
+        assert [r.turn for r in turns] == list(range(1, TURNS + 1))
+        assert turns[0].input_length == OPENING_TOKENS
+        for before, after in zip(turns, turns[1:], strict=False):
+            added = after.input_length - before.input_length - CHAT_OUTPUT
+            assert low <= added <= high and after.arrival > before.arrival
+            kept = before.input_length // 32
+            assert after.hash_ids[:kept] == before.hash_ids[:kept]
+    spans = sorted((t[0].arrival, t[-1].arrival) for t in chats.values())
+    for start, _ in spans:
+        assert sum(1 for s, e in spans if s <= start <= e) <= 8
 
 
 def test_bursts_are_the_hot_prompts_under_floods_of_one_off_prompts() -> None:
