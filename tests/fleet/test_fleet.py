@@ -162,6 +162,31 @@ def test_approx_tree_keeps_every_chat_of_the_served_workload_on_one_engine():
     assert per_engine == [25, 25]
 
 
+@given(
+    st.lists(st.lists(st.integers(1, 8), min_size=1, max_size=5), min_size=1, max_size=6),
+    st.randoms(use_true_random=False),
+    st.integers(2, 4),
+)
+def test_approx_tree_never_splits_a_chat_whose_turns_grow_by_at_most_double(chats, rng, engines):
+    """Under balanced loads, a turn that resends its chat's last prompt and adds at most
+    twice as many blocks (so the routed prefix covers over `APPROX_THRESHOLD` of it) goes
+    where that prompt went, whatever the other chats' turns in between."""
+    scheme, router = KeyScheme.for_engines(1), ApproxTree(engines)
+    pending = [(chat, turn) for chat, growth in enumerate(chats) for turn in range(len(growth))]
+    rng.shuffle(pending)
+    pending.sort(key=lambda item: item[1])  # each chat's turns in order; chats interleaved
+    prompts: dict[int, list[int]] = {}
+    engine_of: dict[int, set[int]] = {}
+    for chat, turn in pending:
+        prompt = prompts.get(chat, [1_000 * (chat + 1)])
+        grown = [*prompt, *range(len(prompt) * 10_000, len(prompt) * 10_000 + chats[chat][turn])]
+        grown = grown[: len(prompt) * 3]  # at most twice the blocks it had
+        prompts[chat] = grown
+        chosen = router.choose(scheme.prompt_keys(grown), [0] * engines, PrefixView(engines))
+        engine_of.setdefault(chat, set()).add(chosen)
+    assert all(len(used) == 1 for used in engine_of.values())
+
+
 def test_a_policy_config_reaches_every_engine_of_the_fleet(small_trace):
     jobs = make_jobs(small_trace, MODEL)
     config = {"frequency_weight": 0.25, "queue_depth": 3}  # not a policy's: left out
