@@ -101,7 +101,7 @@ def run_single(
     "--policy-config",
     default=None,
     help="A JSON object of policy parameters, given to every arm whose policy takes them, "
-    """e.g. '{"frequency_weight": 0.5}'.""",
+    """e.g. '{"frequency_weight": 1}'.""",
 )
 @click.option(
     "--explain",

@@ -65,7 +65,7 @@ FLEET_POLICIES = "lru,cost"
     "--policy-config",
     default=None,
     help="A JSON object of policy parameters, given to every policy that takes them, "
-    """e.g. '{"frequency_weight": 0.5}'.""",
+    """e.g. '{"frequency_weight": 1}'.""",
 )
 @with_replay_options
 def replay_fleet(

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvplug.errors import UnknownPolicyError
 from kvplug.policies import EvictionPolicy, PolicyContext, make_policy
-from kvplug.policies.cost import CostPolicy, ReuseClass
+from kvplug.policies.cost import DEFAULT_FREQUENCY_WEIGHT, CostPolicy, ReuseClass
 from kvplug.policies.node import CachedNode
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class JunctionCostPolicy(CostPolicy):
         self,
         tokens_per_block: int | None = None,
         ghost_ratio: float = 4.0,
-        frequency_weight: float = 1.0,
+        frequency_weight: float = DEFAULT_FREQUENCY_WEIGHT,
     ) -> None:
         super().__init__(
             tokens_per_block=tokens_per_block,

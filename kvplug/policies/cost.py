@@ -22,9 +22,12 @@ and the evictable leaf with the lowest H goes first.
   and gives the block its reuse count back; falling out of the history closes it as not.
 - `reuses`, its hits since it entered the cache (saturating at 3, like the classes), is
   GreedyDual-Size-Frequency's frequency term: of two blocks with the same odds, the one
-  reused more is more often right. Its weight `w` (`frequency_weight`, 1 by default) sets
-  how much: the class already conditions `P` on the reuses, so `w` counts them a second
-  time, and at 0 the credit is the odds alone (README: where each helps).
+  reused more is more often right. Its weight `w` (`frequency_weight`, 0.5 by default)
+  sets how much: the class already conditions `P` on the reuses, so `w` counts them a
+  second time, and at 0 the credit is the odds alone. At 1 (GDSF's own term) the blocks
+  of finished conversations, reused at each of their turns, outrank a new conversation's
+  first turn where the cache holds every live one; 0.5 keeps most of the term's gain
+  where the cache is short (docs: policies).
 - `L` is the inflation: it rises to each victim's H (a block the policy chose), so every
   score decays relative to newly ranked blocks at the pace at which the workload evicts.
   No half-life is set.
@@ -82,6 +85,8 @@ if TYPE_CHECKING:
 
 ReuseClass = tuple[int, ...]
 
+DEFAULT_FREQUENCY_WEIGHT = 0.5  # `w`, see above
+
 # a ghost is ``(blocks - 1) << BLOCKS_SHIFT | reuses << 10 | class code`` (blocks: those
 # its node held; always 1, and so absent, unless the policy `spans_blocks`)
 BLOCKS_SHIFT = 40
@@ -107,7 +112,7 @@ class CostPolicy(RankedPolicy):
         model: str | ModelSpec | None = None,
         tokens_per_block: int | None = None,
         ghost_ratio: float = 2.0,
-        frequency_weight: float = 1.0,
+        frequency_weight: float = DEFAULT_FREQUENCY_WEIGHT,
         tier_pricing: bool = True,
         host_link_gbps: float = 25.0,
         prefill_tflops: float = 400.0,

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvplug.policies.base import RankedPolicy
-from kvplug.policies.cost import CostPolicy
+from kvplug.policies.cost import DEFAULT_FREQUENCY_WEIGHT, CostPolicy
 from kvplug.policies.entry import make_entry
 from kvplug.policies.shadow import ShadowDuel, sampled
 
@@ -49,7 +49,7 @@ class LearnedPolicy(CostPolicy):
         shadow_blocks: int = 1024,
         window: int = 0,
         margin: float = 0.0,
-        frequency_weight: float = 1.0,
+        frequency_weight: float = DEFAULT_FREQUENCY_WEIGHT,
         tier_pricing: bool = True,
         host_link_gbps: float = 25.0,
         prefill_tflops: float = 400.0,

@@ -29,6 +29,7 @@ from kvplug.fleet.router import (
 )
 from kvplug.fleet.runner import build_fleet, run_fleet
 from kvplug.fleet.view import EventFeed, KeyScheme, PrefixView
+from kvplug.policies.cost import DEFAULT_FREQUENCY_WEIGHT
 from kvplug.replay.loop import Timing, make_jobs
 from kvplug.replay.runner import run_replay
 from kvplug.replay.synthetic import synthetic_trace
@@ -193,7 +194,7 @@ def test_a_policy_config_reaches_every_engine_of_the_fleet(small_trace):
     engines, _ = build_fleet(jobs, "cost", 2, 50, 512, Timing(), policy_config=config)
     assert [engine.arm.cache.policy.frequency_weight for engine in engines] == [0.25, 0.25]
     default, _ = build_fleet(jobs, "cost", 2, 50, 512, Timing())
-    assert default[0].arm.cache.policy.frequency_weight == 1.0
+    assert default[0].arm.cache.policy.frequency_weight == DEFAULT_FREQUENCY_WEIGHT
     with pytest.raises(ConfigError, match="taken by none of the arms lru"):
         run_fleet(small_trace, ["approx-tree"], ["lru"], [2], [100], MODEL,
                   policy_config={"frequency_weight": 0.5})  # fmt: skip

@@ -62,15 +62,17 @@ def test_lru_order_matches_sglang_on_a_small_case() -> None:
         assert arm.stats() == ArmStats(evictions=6, churn=4, cached_blocks=4)
 
 
-def test_cost_keeps_the_reused_prefix() -> None:
-    """cost ranks a prefix two requests used above a one-off leaf of the same size."""
-    arm = SGLangKVPlugArm(6, "cost")
-    assert sequential(arm, 1, [1, 2]) == 0
-    assert sequential(arm, 2, [1, 2]) == 2
-    assert sequential(arm, 3, [3, 4]) == 0
-    assert sequential(arm, 4, [5, 6, 7, 8]) == 0
+@pytest.mark.parametrize(("uses", "config"), [(3, None), (2, {"frequency_weight": 1})])
+def test_cost_keeps_the_reused_prefix(uses: int, config: dict | None) -> None:
+    """cost ranks a prefix three requests used above a one-off leaf of the same size; with
+    the frequency term at full weight, a prefix two requests used."""
+    arm = SGLangKVPlugArm(6, "cost", policy_config=config)
+    for req_id in range(uses):
+        assert sequential(arm, req_id, [1, 2]) == (2 if req_id else 0)
+    assert sequential(arm, 10, [3, 4]) == 0
+    assert sequential(arm, 11, [5, 6, 7, 8]) == 0
     arm.cache.tree_core.check_invariants()
-    assert sequential(arm, 5, [1, 2]) == 2
+    assert sequential(arm, 12, [1, 2]) == 2
 
 
 def test_locked_prefix_is_never_a_candidate() -> None:

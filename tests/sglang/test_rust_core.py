@@ -133,14 +133,16 @@ def test_a_victim_back_inside_a_longer_node_returns_on_both_cores() -> None:
 
 
 def test_cost_keeps_what_sglang_lru_evicts_on_the_rust_core() -> None:
-    """One sequence inserted three times (SGLang counts a reuse at each re-insert), then
+    """One sequence inserted four times (SGLang counts a reuse at each re-insert), then
     another once and matched last (the most recent): SGLang's lru evicts the first,
-    kvplug's cost, on the Rust core, the one nobody came back to."""
+    kvplug's cost, on the Rust core, the one nobody came back to. (Inserted three times,
+    `cost` at its default weight keeps the second: the first's own re-inserts taught the
+    class of never-reused blocks that such blocks come back.)"""
     first, second = [1, 1, 1], [2, 2, 2]
     kept = {}
     for policy in ("lru", "kvplug-cost"):
         driver = Driver("full-p1", policy, core="rust")
-        for _ in range(3):
+        for _ in range(4):
             driver.insert(first)
         driver.insert(second)
         driver.match_and_lock(second)

@@ -75,7 +75,9 @@ def test_the_openai_user_field_is_forwarded_as_the_session() -> None:
 def test_the_vllm_arm_told_sessions_decides_as_kvplug_s_cache(policy: str) -> None:
     """A mix of chats that name their session and one-off requests that do not: vLLM's
     manager with kvplug's pool and kvplug's own cache, told the same sessions, save the
-    same compute, and the sessions change what they save."""
+    same compute, and the sessions change what they save. One request at a time: with
+    requests in flight, vLLM frees a step's finished blocks and allocates its new ones in
+    its own order, so the two can rank a released block under a different inflation."""
     trace = synthetic_trace("conversations", seed=5, duration=400.0, rate=3.0)
     mixed = synthetic_trace("system-prompts", seed=6, duration=400.0, rate=3.0)
     offset = 1 + max(h for r in trace.requests for h in r.hash_ids)
@@ -85,8 +87,8 @@ def test_the_vllm_arm_told_sessions_decides_as_kvplug_s_cache(policy: str) -> No
     trace.requests.sort(key=lambda r: r.arrival)
     arms = [policy, f"vllm-kvplug:{policy}"]
     model = load_model(None)
-    told = run_replay(trace, arms, [1000], model, sessions=True)
-    plain = run_replay(trace, arms, [1000], model)
+    told = run_replay(trace, arms, [1000], model, sequential=True, sessions=True)
+    plain = run_replay(trace, arms, [1000], model, sequential=True)
     assert told[0].saved_flops == told[1].saved_flops
     assert plain[0].saved_flops == plain[1].saved_flops
     assert told[0].saved_flops != plain[0].saved_flops
